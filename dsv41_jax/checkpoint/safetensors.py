@@ -1,0 +1,345 @@
+"""Zero-copy safetensors reader and writer that knows every dtype of the V4.1 release.
+
+The `safetensors` package's numpy backend cannot read `F8_E8M0` (numpy has no such dtype), so the
+release's block scales are unreadable through it (spec model §2.1, notes/PLATFORM.md). The format is
+simple enough to parse directly: an 8-byte little-endian header length N, N bytes of JSON
+`{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}}`, then the data
+buffer; offsets are relative to the start of the buffer. Tensors are returned as read-only views of
+an `np.memmap`, reinterpreted with `ml_dtypes` where numpy lacks the dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "DTYPES",
+    "SafetensorsError",
+    "SafetensorsFile",
+    "ShardedCheckpoint",
+    "TensorInfo",
+    "dtype_name",
+    "save_file",
+]
+
+# safetensors dtype string -> numpy dtype (explicitly little-endian: the format is little-endian).
+# The release uses BF16, F32, F8_E4M3, F8_E8M0 and I8 (spec model §2.1); the rest cover the format.
+DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype("<u2"),
+    "I16": np.dtype("<i2"),
+    "U32": np.dtype("<u4"),
+    "I32": np.dtype("<i4"),
+    "U64": np.dtype("<u8"),
+    "I64": np.dtype("<i8"),
+    "F16": np.dtype("<f2"),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+}
+_NAMES: dict[np.dtype, str] = {dt.newbyteorder("<"): name for name, dt in DTYPES.items()}
+
+# The reference implementation refuses headers above 100 MB; a larger value means a corrupt file.
+_MAX_HEADER = 100_000_000
+_META = "__metadata__"
+
+
+class SafetensorsError(ValueError):
+    """A safetensors file or index is malformed or inconsistent."""
+
+
+class TensorInfo(NamedTuple):
+    dtype: str  # safetensors dtype string, e.g. "F8_E4M3"
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def dtype_name(dtype: Any) -> str:
+    """The safetensors dtype string of a numpy / ml_dtypes dtype."""
+    dt = np.dtype(dtype)
+    key = dt.newbyteorder("<")
+    if key not in _NAMES:
+        raise SafetensorsError(f"dtype {dt} has no safetensors equivalent; known: {sorted(DTYPES)}")
+    return _NAMES[key]
+
+
+def _parse_header(path: Path, raw: bytes, data_size: int) -> tuple[dict, dict[str, tuple]]:
+    """Validate the JSON header; return (metadata, {name: (dtype, shape, begin, end)})."""
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SafetensorsError(f"{path}: header is not valid UTF-8 JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: header must be a JSON object, got {type(header).__name__}")
+    metadata = header.pop(_META, None) or {}
+    entries: dict[str, tuple] = {}
+    for name, rec in header.items():
+        where = f"{path}: tensor {name!r}"
+        try:
+            dtype, shape, (begin, end) = rec["dtype"], tuple(rec["shape"]), rec["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise SafetensorsError(f"{where}: malformed header entry {rec!r}") from e
+        if dtype not in DTYPES:
+            raise SafetensorsError(f"{where}: unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise SafetensorsError(f"{where}: bad shape {list(shape)}")
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise SafetensorsError(f"{where}: bad data_offsets {[begin, end]}")
+        if end > data_size:
+            raise SafetensorsError(
+                f"{where}: data_offsets {[begin, end]} run past the data buffer ({data_size} bytes);"
+                " the file is truncated or corrupt (re-download it)"
+            )
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        if end - begin != nbytes:
+            raise SafetensorsError(
+                f"{where}: data_offsets span {end - begin} bytes but {dtype}{list(shape)} needs {nbytes}"
+            )
+        entries[name] = (dtype, shape, begin, end)
+    return metadata, entries
+
+
+class SafetensorsFile:
+    """One safetensors file, memory-mapped; `get` returns zero-copy read-only views.
+
+    Views stay valid after `close()` (they keep the mapping alive); `close` only drops this object's
+    reference, so the OS unmaps the file once the last view is gone.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise SafetensorsError(f"{self.path}: {size} bytes, too short for a safetensors file")
+                (n,) = struct.unpack("<Q", head)
+                if n > _MAX_HEADER or 8 + n > size:
+                    raise SafetensorsError(
+                        f"{self.path}: header length {n} does not fit in the file ({size} bytes);"
+                        " the file is truncated or not safetensors"
+                    )
+                raw = f.read(n)
+        except FileNotFoundError as e:
+            raise SafetensorsError(f"{self.path}: no such file") from e
+        self._data_start = 8 + n
+        self.metadata, self._entries = _parse_header(self.path, raw, size - self._data_start)
+        self._mmap: np.memmap | None = None
+        self._closed = False
+
+    def _buffer(self) -> np.ndarray:
+        if self._mmap is None:
+            if self._closed:
+                raise SafetensorsError(f"{self.path}: read after close()")
+            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+        return self._mmap
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def info(self, name: str) -> TensorInfo:
+        dtype, shape, begin, end = self._entry(name)
+        return TensorInfo(dtype, shape, end - begin)
+
+    def _entry(self, name: str) -> tuple:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+
+    def get(self, name: str) -> np.ndarray:
+        """Zero-copy read-only view of tensor `name` with its ml_dtypes/numpy dtype."""
+        dtype, shape, begin, end = self._entry(name)
+        start = self._data_start
+        raw = self._buffer()[start + begin : start + end]
+        # np.ndarray (not memmap subclass) view: slicing a memmap subclass is needlessly slow.
+        return np.asarray(raw).view(DTYPES[dtype]).reshape(shape)
+
+    def close(self) -> None:
+        self._mmap, self._closed = None, True
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SafetensorsFile({str(self.path)!r}, {len(self)} tensors)"
+
+
+def _header_bytes(layout: dict[str, dict], metadata: Mapping[str, str] | None) -> bytes:
+    header: dict[str, Any] = {}
+    if metadata:
+        bad = {k: v for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))}
+        if bad:
+            raise SafetensorsError(f"metadata must map str to str; offending entries: {bad}")
+        header[_META] = dict(metadata)
+    for name in sorted(layout):
+        header[name] = layout[name]
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    # The format pads the header with spaces so the data buffer starts 8-byte aligned.
+    return raw + b" " * (-len(raw) % 8)
+
+
+def save_file(tensors: Mapping[str, Any], path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
+    """Write `tensors` as one safetensors file, atomically (temp file in the same dir + os.replace).
+
+    Header keys are sorted by name. The data buffer is laid out by decreasing itemsize, then name
+    (as the reference writer does), so every tensor is naturally aligned and there are no holes.
+    """
+    path = Path(path)
+    arrays: dict[str, np.ndarray] = {}
+    for name, t in tensors.items():
+        if not isinstance(name, str) or name == _META:
+            raise SafetensorsError(f"{path}: invalid tensor name {name!r}")
+        a = np.asarray(t)
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        # not np.ascontiguousarray: it turns 0-d scalars into shape (1,)
+        arrays[name] = a if a.flags.c_contiguous else a.copy(order="C")
+    order = sorted(arrays, key=lambda k: (-arrays[k].dtype.itemsize, k))
+    layout, offset = {}, 0
+    for name in order:
+        a = arrays[name]
+        try:
+            dt = dtype_name(a.dtype)
+        except SafetensorsError as e:
+            raise SafetensorsError(f"{path}: tensor {name!r}: {e}") from None
+        layout[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    header = _header_bytes(layout, metadata)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(header)))
+            f.write(header)
+            for name in order:
+                if arrays[name].nbytes:
+                    f.write(memoryview(arrays[name].reshape(-1).view(np.uint8)))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+class ShardedCheckpoint:
+    """The tensors of an HF checkpoint directory, through `model.safetensors.index.json`.
+
+    A directory with a single `model.safetensors` and no index is accepted too. Shards are opened
+    lazily (header parse + memmap) and cached.
+    """
+
+    INDEX = "model.safetensors.index.json"
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        self.dir = Path(hf_dir)
+        index = self.dir / self.INDEX
+        if index.is_file():
+            try:
+                spec = json.loads(index.read_text())
+                weight_map = spec["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise SafetensorsError(f"{index}: not a valid index (needs a 'weight_map'): {e}") from e
+            self.metadata: dict = spec.get("metadata") or {}
+            self._weight_map: dict[str, str] = dict(weight_map)
+        elif (self.dir / "model.safetensors").is_file():
+            self.metadata = {}
+            single = SafetensorsFile(self.dir / "model.safetensors")
+            self._weight_map = {k: "model.safetensors" for k in single.keys()}
+        else:
+            raise SafetensorsError(f"{self.dir}: neither {self.INDEX} nor model.safetensors found")
+        self._files: dict[str, SafetensorsFile] = {}
+
+    def keys(self) -> list[str]:
+        return list(self._weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._weight_map
+
+    def __len__(self) -> int:
+        return len(self._weight_map)
+
+    def shards(self) -> list[str]:
+        return sorted(set(self._weight_map.values()))
+
+    def shard_of(self, name: str) -> str:
+        try:
+            return self._weight_map[name]
+        except KeyError:
+            raise KeyError(f"{self.dir}: {name!r} is not in {self.INDEX}") from None
+
+    def _file(self, shard: str) -> SafetensorsFile:
+        if shard not in self._files:
+            path = self.dir / shard
+            if not path.is_file():
+                raise SafetensorsError(f"{self.dir}: shard {shard!r} listed in the index is missing")
+            self._files[shard] = SafetensorsFile(path)
+        return self._files[shard]
+
+    def _locate(self, name: str) -> SafetensorsFile:
+        f = self._file(self.shard_of(name))
+        if name not in f:
+            raise SafetensorsError(f"{f.path}: tensor {name!r} is listed in {self.INDEX} but missing from this shard")
+        return f
+
+    def info(self, name: str) -> TensorInfo:
+        return self._locate(name).info(name)
+
+    def get(self, name: str) -> np.ndarray:
+        return self._locate(name).get(name)
+
+    def validate(self) -> None:
+        """Check index <-> shard headers both ways (headers only, no data is read)."""
+        for shard in self.shards():
+            f = self._file(shard)
+            listed = {k for k, v in self._weight_map.items() if v == shard}
+            missing, extra = sorted(listed - set(f.keys())), sorted(set(f.keys()) - listed)
+            if missing:
+                raise SafetensorsError(
+                    f"{f.path}: {len(missing)} tensor(s) listed in {self.INDEX} are missing from"
+                    f" this shard, e.g. {missing[:5]}"
+                )
+            if extra:
+                raise SafetensorsError(
+                    f"{f.path}: {len(extra)} tensor(s) in this shard are not in {self.INDEX}"
+                    f" (or are mapped to another shard), e.g. {extra[:5]}"
+                )
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> ShardedCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ShardedCheckpoint({str(self.dir)!r}, {len(self)} tensors, {len(self.shards())} shards)"

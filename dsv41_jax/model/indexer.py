@@ -1,0 +1,75 @@
+"""Lightning indexer, hierarchical candidate pool and top-k selection (spec attention §3.5, §6)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from dsv41_jax import quant
+from dsv41_jax.config import AttentionConfig
+from dsv41_jax.model.layers import Linear, RMSNorm
+from dsv41_jax.model.rope import apply_rope
+
+
+class Indexer(nnx.Module):
+    """Index queries (every index source) and, on KV sources, the index-key projection ``wk``/``k_norm``."""
+
+    def __init__(self, cfg: AttentionConfig, dim: int, norm_eps: float, owns_keys: bool, *, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, "index_q_up", **kw)
+        self.weights_proj = Linear(dim, cfg.index_n_heads, "index_weights", **kw)
+        if owns_keys:
+            self.wk = Linear(cfg.head_dim, cfg.index_head_dim, "index_k", **kw)
+            self.k_norm = RMSNorm(cfg.index_head_dim, norm_eps, param_dtype=param_dtype)
+        self.cfg = cfg
+
+    def keys(self, latent: Float[Array, "B C H"], positions: Int[Array, "B C"], freqs) -> Float[Array, "B C I"]:
+        """Index keys from the pre-RoPE compressor latent: RoPE at the group's first position, MXFP4 QDQ."""
+        k = apply_rope(self.k_norm(self.wk(latent)), positions, freqs, heads=False)
+        return quant.qdq_mxfp4(k)
+
+    def scores(self, x: Float[Array, "B S D"], q_latent: Float[Array, "B S R"], positions: Int[Array, "B S"],
+               freqs, index_k: Float[Array, "B T I"], n_visible: Int[Array, "B S"]) -> Float[Array, "B S T"]:
+        """``I[s, t] = Σ_h w[s, h]·ReLU(q[s, h]·k[t])``, −∞ where ``t ≥ n_visible[s]`` (fp32)."""
+        c = self.cfg
+        iq = self.wq_b(q_latent).reshape(*q_latent.shape[:-1], c.index_n_heads, c.index_head_dim)
+        iq = quant.qdq_mxfp4(apply_rope(iq, positions, freqs, heads=True))
+        w = self.weights_proj(x).astype(jnp.float32) * (c.index_head_dim * c.index_n_heads) ** -0.5
+        dots = jnp.einsum("bshd,btd->bsht", iq, index_k.astype(iq.dtype), preferred_element_type=jnp.float32)
+        scores = jnp.einsum("bsh,bsht->bst", w, jax.nn.relu(dots))
+        visible = jnp.arange(index_k.shape[1]) < n_visible[..., None]
+        return jnp.where(visible, scores, -jnp.inf)
+
+
+def candidate_blocks(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
+                     n_blocks: int) -> Bool[Array, "B S NB"]:
+    """Per query, the kept blocks of ``block_size`` positions (spec attention §6.1).
+
+    Block score = max over its positions; the block holding the newest visible entry is pinned (+∞);
+    the top ``n_blocks`` blocks whose score is > −∞ are kept. Ties go to the lower block index.
+    """
+    b, s, t = scores.shape
+    nb = -(-t // block_size)
+    padded = jnp.pad(scores, ((0, 0), (0, 0), (0, nb * block_size - t)), constant_values=-jnp.inf)
+    block_max = padded.reshape(b, s, nb, block_size).max(-1)
+    newest = (n_visible - 1) // block_size
+    pinned = (jnp.arange(nb) == newest[..., None]) & (n_visible[..., None] > 0)
+    block_max = jnp.where(pinned, jnp.inf, block_max)
+    vals, idx = jax.lax.top_k(block_max, min(n_blocks, nb))
+    keep = vals > -jnp.inf
+    scatter = jax.vmap(jax.vmap(lambda i, k: jnp.zeros((nb,), bool).at[i].set(k)))
+    return scatter(idx, keep)
+
+
+def expand_blocks(blocks: Bool[Array, "B S NB"], block_size: int, length: int) -> Bool[Array, "B S T"]:
+    return jnp.repeat(blocks, block_size, axis=-1)[..., :length]
+
+
+def select_topk(scores: Float[Array, "B S T"], k: int, n_visible: Int[Array, "B S"]) -> Int[Array, "B S K"]:
+    """The ``min(k, T)`` best positions, ascending; picks at invisible positions become −1 (spec §3.5)."""
+    _, idx = jax.lax.top_k(scores, min(k, scores.shape[-1]))
+    idx = jnp.sort(idx, axis=-1)
+    return jnp.where(idx < n_visible[..., None], idx, -1).astype(jnp.int32)

@@ -1,0 +1,68 @@
+"""Single-Pass mHC: coefficient prediction, Sinkhorn, collapse and expand (spec model §4).
+
+The residual is ``M`` streams ``X [B, S, M, D]`` kept in the activation dtype between sublayers; all
+mixing math is fp32. Each site (attention, FFN) predicts post/comb for itself and ``pre`` for the *next*
+site (single-pass schedule, spec model §4.4).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from dsv41_jax.config import MHCConfig
+from dsv41_jax.model.layers import normal
+from dsv41_jax.sharding import param
+
+
+def sinkhorn(logits: Float[Array, "*B M M"], iters: int, eps: float) -> Float[Array, "*B M M"]:
+    """Row-softmax, then column/row normalisations; 20 of each for iters=20, ending on columns (§4.2)."""
+    c = jax.nn.softmax(logits, axis=-1) + eps
+    c = c / (c.sum(axis=-2, keepdims=True) + eps)
+
+    def row_then_column(_, c):
+        c = c / (c.sum(axis=-1, keepdims=True) + eps)
+        return c / (c.sum(axis=-2, keepdims=True) + eps)
+
+    return jax.lax.fori_loop(0, iters - 1, row_then_column, c)  # a loop, not 38 unrolled ops per site
+
+
+def hc_params(cfg: MHCConfig, dim: int, rngs: nnx.Rngs) -> tuple[nnx.Param, nnx.Param, nnx.Param]:
+    """One site's ``hc_{site}_fn [(2+M)·M, M·D]``, ``_base [(2+M)·M]``, ``_scale [3]`` (fp32).
+
+    Initialisation is not disclosed (spec model §4.5 [OPEN]): fn ~ N(0, 0.02), base 0, scale 1, which
+    starts with pre ≈ 0.5, post ≈ 1 and comb ≈ uniform.
+    """
+    m = cfg.hc_mult
+    return (param("hc_fn", normal(rngs, ((2 + m) * m, m * dim), 0.02, jnp.float32)),
+            param("hc_vector", jnp.zeros(((2 + m) * m,), jnp.float32)),
+            param("hc_vector", jnp.ones((3,), jnp.float32)))
+
+
+def hc_mixes(x: Float[Array, "B S M D"], fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: MHCConfig,
+             norm_eps: float):
+    """Returns ``(pre [B,S,M], post [B,S,M], comb [B,S,M,M])`` in fp32 (spec model §4.2)."""
+    m, eps = cfg.hc_mult, cfg.hc_eps
+    flat = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)  # [B, S, M·D], stream-major
+    r = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    mix = jnp.einsum("bsi,oi->bso", flat, fn, precision="highest") * r
+    pre = jax.nn.sigmoid(mix[..., :m] * scale[0] + base[:m]) + eps
+    post = 2 * jax.nn.sigmoid(mix[..., m:2 * m] * scale[1] + base[m:2 * m])
+    comb = (mix[..., 2 * m:] * scale[2] + base[2 * m:]).reshape(*mix.shape[:-1], m, m)
+    return pre, post, sinkhorn(comb, cfg.hc_sinkhorn_iters, eps)
+
+
+def collapse(x: Float[Array, "B S M D"], pre: Float[Array, "B S M"]) -> Float[Array, "B S D"]:
+    """``u = Σ_c pre_c · X_c`` in fp32, cast to the stream dtype (spec model §4.3)."""
+    return jnp.einsum("bsm,bsmd->bsd", pre, x.astype(jnp.float32), precision="highest").astype(x.dtype)
+
+
+def expand(
+    f: Float[Array, "B S D"], residual: Float[Array, "B S M D"], post: Float[Array, "B S M"],
+    comb: Float[Array, "B S M M"],
+) -> Float[Array, "B S M D"]:
+    """``X'_j = post_j·F + Σ_i comb[i, j]·R_i`` (row i = source stream, column j = destination)."""
+    mixed = jnp.einsum("bsij,bsid->bsjd", comb, residual.astype(jnp.float32), precision="highest")
+    return (post[..., None] * f.astype(jnp.float32)[:, :, None, :] + mixed).astype(residual.dtype)

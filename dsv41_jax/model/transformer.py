@@ -1,0 +1,111 @@
+"""The V4.1 text backbone: embedding, blocks with Single-Pass mHC, final collapse, norm and fp32 head."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.attention import Attention, Shared
+from dsv41_jax.model.engram import Engram
+from dsv41_jax.model.layers import RMSNorm, normal
+from dsv41_jax.model.mhc import collapse, expand, hc_mixes, hc_params
+from dsv41_jax.model.moe import MoE, Routing
+from dsv41_jax.sharding import param
+from dsv41_jax.topology import LayerSpec, layer_spec
+
+
+class Block(nnx.Module):
+    """Engram (if any) → attention site → FFN site, with the single-pass mHC schedule (spec model §4.4)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, n_experts: int, k: int, rngs: nnx.Rngs):
+        dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        kw = dict(dtype=dt, param_dtype=pdt, rngs=rngs)
+        if spec.engram:
+            rows = cfg.engram.num_embeddings[cfg.engram.layer_ids.index(spec.layer)]
+            self.engram = Engram(cfg.engram, rows, cfg.dim, cfg.mhc.hc_mult, cfg.norm_eps, **kw)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype=pdt)
+        self.attn = Attention(cfg.attention, spec, cfg.dim, cfg.norm_eps, **kw)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype=pdt)
+        self.ffn = MoE(cfg.moe, cfg.dim, n_experts, k, **kw)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_params(cfg.mhc, cfg.dim, rngs)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_params(cfg.mhc, cfg.dim, rngs)
+        self.mhc, self.norm_eps, self.spec = cfg.mhc, cfg.norm_eps, spec
+
+    def __call__(self, x: Float[Array, "B S M D"], pre: Float[Array, "B S M"], shared: Shared,
+                 is_image: Bool[Array, "B S"] | None):
+        a_pre, a_post, a_comb = hc_mixes(x, self.hc_attn_fn[...], self.hc_attn_base[...],
+                                         self.hc_attn_scale[...], self.mhc, self.norm_eps)
+        y, shared = self.attn(self.attn_norm(collapse(x, pre)), shared)  # pre from the previous site
+        x = expand(y, x, a_post, a_comb)
+        f_pre, f_post, f_comb = hc_mixes(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...],
+                                         self.mhc, self.norm_eps)
+        y, routing = self.ffn(self.ffn_norm(collapse(x, a_pre)), is_image)
+        x = expand(y, x, f_post, f_comb)
+        return x, f_pre, shared, routing
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, role: str, std: float, *, param_dtype, rngs: nnx.Rngs):
+        self.weight = param(role, normal(rngs, (vocab, dim), std, param_dtype))
+
+
+class Aux(NamedTuple):
+    """Per-layer internals of a forward, for losses (routing) and layer-by-layer checks."""
+
+    routing: tuple[Routing, ...]
+    streams: tuple[jax.Array, ...]  # residual streams after each block [B, S, M, D]
+    pre: tuple[jax.Array, ...]  # the pre-mix each block hands on [B, S, M]
+    shared: tuple[Shared, ...]  # CSA2 state after each block
+    main_hidden: jax.Array | None  # DSpark target features [B, S, len(targets)·D]
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.embed = Embedding(cfg.vocab_size, cfg.dim, "embed", 1.0, param_dtype=pdt, rngs=rngs)
+        self.layers = nnx.List([
+            Block(cfg, layer_spec(cfg, i), n_experts=cfg.moe.n_routed_experts, k=cfg.moe.n_activated_experts,
+                  rngs=rngs) for i in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype=pdt)
+        self.head = Embedding(cfg.vocab_size, cfg.dim, "head", cfg.dim ** -0.5, param_dtype=pdt, rngs=rngs)
+        self.cfg = cfg
+
+    def __call__(self, tokens: Int[Array, "B S"], engram_rows: Int[Array, "B S L C"] | None = None,
+                 is_image: Bool[Array, "B S"] | None = None, *, return_aux: bool = False):
+        """Teacher-forced forward from position 0: fp32 logits [B, S, V] (and :class:`Aux`).
+
+        ``engram_rows`` are the host-computed row ids of every Engram layer (``engram_hash``); image-span
+        positions (``is_image``) use ``bias_vl`` in the router and are DEAD for Engram.
+        """
+        cfg = self.cfg
+        if cfg.engram.layer_ids and engram_rows is None:
+            raise ValueError("this config has Engram layers: pass engram_rows [B, S, n_engram_layers, columns] "
+                             "from dsv41_jax.engram_hash")
+        b, s = tokens.shape
+        m = cfg.mhc.hc_mult
+        h = jnp.take(self.embed.weight[...], tokens, axis=0).astype(cfg.dtype)
+        x = jnp.broadcast_to(h[:, :, None, :], (b, s, m, cfg.dim))
+        pre = jnp.broadcast_to(jax.nn.one_hot(0, m, dtype=jnp.float32), (b, s, m))  # first site selects stream 0
+        shared = Shared()
+        routing, streams, pres, shareds, targets = [], [], [], [], []
+        for i, block in enumerate(self.layers):
+            if block.spec.engram:
+                x = block.engram(x, engram_rows[:, :, cfg.engram.layer_ids.index(i)], is_image)
+            if i in cfg.dspark.target_layer_ids:
+                targets.append(x.astype(jnp.float32).mean(axis=2).astype(x.dtype))
+            x, pre, shared, r = block(x, pre, shared, is_image)
+            routing.append(r)
+            if return_aux:
+                streams.append(x), pres.append(pre), shareds.append(shared)
+        out = self.norm(collapse(x, pre))
+        logits = jnp.einsum("bsd,vd->bsv", out.astype(jnp.float32), self.head.weight[...].astype(jnp.float32),
+                            precision="highest")
+        if not return_aux:
+            return logits
+        main_hidden = jnp.concatenate(targets, axis=-1) if targets else None
+        return logits, Aux(tuple(routing), tuple(streams), tuple(pres), tuple(shareds), main_hidden)

@@ -1,0 +1,81 @@
+"""Logical axis names of every parameter, and the one table that maps them onto mesh axes.
+
+Modules create parameters through :func:`param` with a *role*; the role's logical axes come from
+``PARAM_AXES``. A mesh shards the model by ``LOGICAL_RULES`` (logical axis → mesh axis) without touching
+model code. Mesh axes: ``data``, ``fsdp``, ``expert``, ``tensor``.
+
+Dimension glossary (used in einsum strings, shape annotations and names here): B batch, S/T query/key
+length, D model, N heads, H head dim, E experts, K top-k, C compressed entries, M mHC streams, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+# role -> logical axes of the parameter, in the checkpoint's [out, in] layout
+PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", "embed"),
+    "head": ("vocab", "embed"),
+    "norm": (None,),
+    "q_down": ("q_lora", "embed"),  # attn.wq_a
+    "q_up": ("heads", "q_lora"),  # attn.wq_b: out = N·H
+    "kv_down": ("kv", "embed"),  # attn.wkv, compressor.wkv / wgate
+    "out_group": ("heads", None),  # attn.wo_a: [G·R, N/G·H], grouped by heads
+    "out_proj": ("embed", "heads"),  # attn.wo_b: [D, G·R]
+    "sink": ("heads",),
+    "index_q_up": ("heads", "q_lora"),  # indexer.wq_b
+    "index_weights": ("heads", "embed"),  # indexer.weights_proj
+    "index_k": (None, "kv"),  # indexer.wk
+    "router": ("experts", "embed"),
+    "router_bias": ("experts",),
+    "expert_up": ("experts", "expert_hidden", "embed"),  # experts.w1 / w3: [E, I, D]
+    "expert_down": ("experts", "embed", "expert_hidden"),  # experts.w2: [E, D, I]
+    "mlp_up": ("mlp", "embed"),  # shared_experts.w1 / w3
+    "mlp_down": ("embed", "mlp"),  # shared_experts.w2
+    "hc_fn": (None, "embed"),
+    "hc_vector": (None,),
+    "engram_table": ("engram_rows", None),
+    "engram_proj": ("embed", None),  # engram.wkv: [(M+1)·D, C·H]
+    "engram_qk": (None, "embed"),
+}
+
+# logical axis -> mesh axis (or tuple of mesh axes); absent means replicated
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "q_lora": None,
+    "kv": None,
+    "mlp": "tensor",
+    "experts": "expert",
+    "expert_hidden": "tensor",
+    "engram_rows": ("fsdp", "expert"),
+}
+
+
+def param(role: str, value: jax.Array) -> nnx.Param:
+    """A parameter annotated with the logical axes of its role (no mesh needed at creation)."""
+    axes = PARAM_AXES[role]
+    if len(axes) != value.ndim:
+        raise ValueError(f"role {role!r} has {len(axes)} logical axes but the value has shape {value.shape}")
+    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+
+
+def logical_to_mesh(axes: tuple[str | None, ...], rules=None) -> P:
+    rules = LOGICAL_RULES if rules is None else rules
+    return P(*(rules.get(a) if a is not None else None for a in axes))
+
+
+def state_partition_specs(state: nnx.State, rules=None) -> nnx.State:
+    """PartitionSpecs in mesh axes for every variable of ``state`` (from its logical annotation)."""
+    def spec(v):
+        axes = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
+        return logical_to_mesh(tuple(axes), rules) if axes else P()
+    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def dtype_of(name: str) -> jnp.dtype:
+    return jnp.dtype(name)

@@ -61,7 +61,7 @@ def param(role: str, value: jax.Array) -> nnx.Param:
     axes = PARAM_AXES[role]
     if len(axes) != value.ndim:
         raise ValueError(f"role {role!r} has {len(axes)} logical axes but the value has shape {value.shape}")
-    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 def logical_to_mesh(axes: tuple[str | None, ...], rules=None) -> P:

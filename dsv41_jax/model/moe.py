@@ -32,8 +32,8 @@ class Gate(nnx.Module):
     def __init__(self, cfg: MoEConfig, dim: int, n_experts: int, k: int, *, param_dtype, rngs: nnx.Rngs):
         self.weight = param("router", normal(rngs, (n_experts, dim), dim ** -0.5, param_dtype))
         axes = PARAM_AXES["router_bias"]
-        self.bias = RouterBias(jnp.zeros((n_experts,), jnp.float32), sharding_names=axes, eager_sharding=False)
-        self.bias_vl = RouterBias(jnp.zeros((n_experts,), jnp.float32), sharding_names=axes, eager_sharding=False)
+        self.bias = RouterBias(jnp.zeros((n_experts,), jnp.float32), out_sharding=axes, eager_sharding=False)
+        self.bias_vl = RouterBias(jnp.zeros((n_experts,), jnp.float32), out_sharding=axes, eager_sharding=False)
         self.cfg, self.k = cfg, k
 
     def __call__(self, x: Float[Array, "B S D"], is_image: Bool[Array, "B S"] | None) -> Routing:

@@ -82,14 +82,19 @@ class Transformer(nnx.Module):
         ``engram_rows`` are the host-computed row ids of every Engram layer (``engram_hash``); image-span
         positions (``is_image``) use ``bias_vl`` in the router and are DEAD for Engram.
         """
+        h = jnp.take(self.embed.weight[...], tokens, axis=0).astype(self.cfg.dtype)
+        return self.forward_embeddings(h, engram_rows, is_image, return_aux=return_aux)
+
+    def forward_embeddings(self, h: Float[Array, "B S D"], engram_rows: Int[Array, "B S L C"] | None = None,
+                           is_image: Bool[Array, "B S"] | None = None, *, return_aux: bool = False):
+        """The forward from input embeddings (image rows already merged in)."""
         cfg = self.cfg
         if cfg.engram.layer_ids and engram_rows is None:
             raise ValueError("this config has Engram layers: pass engram_rows [B, S, n_engram_layers, columns] "
                              "from dsv41_jax.engram_hash")
-        b, s = tokens.shape
+        b, s, _ = h.shape
         m = cfg.mhc.hc_mult
-        h = jnp.take(self.embed.weight[...], tokens, axis=0).astype(cfg.dtype)
-        x = jnp.broadcast_to(h[:, :, None, :], (b, s, m, cfg.dim))
+        x = jnp.broadcast_to(h.astype(cfg.dtype)[:, :, None, :], (b, s, m, cfg.dim))
         pre = jnp.broadcast_to(jax.nn.one_hot(0, m, dtype=jnp.float32), (b, s, m))  # first site selects stream 0
         shared = Shared()
         routing, streams, pres, shareds, targets = [], [], [], [], []

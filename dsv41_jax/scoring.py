@@ -1,0 +1,76 @@
+"""Run a model on token ids and compare its outputs with a reference, array by array.
+
+Outputs use the golden files' names (``<tag>_prefill_logits``, ``<tag>_topk_<layer>``,
+``<tag>_candidates_<layer>``, ``<tag>_moe_topk``, ``b1_stream_after_layer``, ...), so one comparison
+serves the reference implementation's dumps and our own runs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.engram_hash import EngramHasher
+from dsv41_jax.model import Transformer
+
+
+def prefill_outputs(model: Transformer, hasher: EngramHasher, ids: np.ndarray, tag: str,
+                    layers_detail: bool = False) -> dict[str, np.ndarray]:
+    """Logits at every position and every discrete decision of a full-sequence forward."""
+    cfg = model.cfg
+    a = cfg.attention
+    rows, _ = hasher.row_ids(np.asarray(ids, np.int64), None)
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda st, t, r: nnx.merge(graphdef, st)(t, r, return_aux=True))
+    logits, aux = fwd(state, jnp.asarray(ids), jnp.asarray(rows, jnp.int32))
+    out = {f"{tag}_prefill_logits": np.asarray(logits, np.float32), f"{tag}_engram_row_ids": rows}
+    for layer in a.index_source_layers:
+        out[f"{tag}_topk_{layer}"] = np.asarray(aux.shared[layer].topk).astype(np.int16)
+    c = a.candidate_source_layer
+    blocks = np.asarray(aux.shared[c].candidates)
+    out[f"{tag}_candidates_{c}"] = np.repeat(blocks, a.candidate_block_size, -1)[..., : ids.shape[1]]
+    out[f"{tag}_moe_topk"] = np.stack(
+        [np.asarray(r.experts).reshape(-1, r.experts.shape[-1]) for r in aux.routing]).astype(np.int8)
+    if layers_detail:  # first sequence only, as the reference dumps do
+        p = "b1" if tag == "batch1" else tag
+        out[f"{p}_stream_after_layer"] = np.stack([np.asarray(s[0], np.float32) for s in aux.streams])
+        out[f"{p}_pre_mix_after_layer"] = np.stack([np.asarray(s[0]) for s in aux.pre])
+        if aux.main_hidden is not None:
+            out[f"{p}_main_hidden"] = np.asarray(aux.main_hidden[0], np.float32)
+        for layer in a.kv_source_layers:
+            out[f"{p}_compressed_kv_{layer}"] = np.asarray(aux.shared[layer].main_kv[0], np.float32)
+            out[f"{p}_index_k_{layer}"] = np.asarray(aux.shared[layer].index_k[0], np.float32)
+    return out
+
+
+def row_rel_l2(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return (np.linalg.norm(a - ref, axis=-1) / np.maximum(np.linalg.norm(ref, axis=-1), 1e-30)).ravel()
+
+
+def compare(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, dict]:
+    """Per shared array: relative-L2 statistics per row (floats) or row agreement (integers/bools)."""
+    report = {}
+    for key in sorted(set(ours) & set(ref)):
+        a, b = np.asarray(ours[key]), np.asarray(ref[key])
+        if a.shape != b.shape:
+            report[key] = {"error": f"shape {a.shape} vs reference {b.shape}"}
+        elif b.dtype.kind == "f":
+            e = row_rel_l2(a, b)
+            report[key] = {"median": float(np.median(e)), "q90": float(np.quantile(e, 0.9)), "max": float(e.max())}
+            if key.endswith("logits"):
+                report[key]["argmax_agreement"] = float((a.argmax(-1) == b.argmax(-1)).mean())
+        else:
+            same = np.sort(a, -1) == np.sort(b, -1) if "topk" in key else a == b
+            report[key] = {"row_agreement": float(same.reshape(-1, a.shape[-1]).all(-1).mean())}
+    return report
+
+
+def format_report(report: dict[str, dict]) -> str:
+    lines = []
+    for key, r in report.items():
+        stats = "  ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items())
+        lines.append(f"{key:32s} {stats}")
+    return "\n".join(lines)

@@ -274,9 +274,14 @@ def _build(cls: type, data: dict, base: Any, prefix: str, source: str | None) ->
 
 def from_dict(data: dict, source: str | None = None) -> ModelConfig:
     """Build a config from a nested dict; ``preset: name`` picks the base the other keys override."""
+    if not isinstance(data, dict):
+        _fail(f"a model config must be a mapping of keys to values, got {type(data).__name__}", source)
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        _fail(f"config keys must be strings, got {bad}", source)
     data = dict(data)
     preset = data.pop("preset", "v41_flash")
-    if preset not in PRESETS:
+    if not isinstance(preset, str) or preset not in PRESETS:
         _fail(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}", source)
     return _build(ModelConfig, data, PRESETS[preset](), "", source)
 
@@ -285,11 +290,12 @@ def load_yaml(path: str | Path, section: str | None = None) -> ModelConfig:
     """Load a model config from YAML (optionally from one top-level ``section`` such as ``model``)."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"{path}: cannot read YAML: {err}") from err
+    data = {} if data is None else data
     if section is not None:
-        if section not in data:
+        if not isinstance(data, dict) or section not in data:
             raise ConfigError(f"{path}: missing top-level key '{section}'")
         data = data[section]
     return from_dict(data, source=str(path))
@@ -343,10 +349,14 @@ _HF_VISION = {"num_hidden_layers": "n_layers", "hidden_size": "dim", "num_attent
               "intermediate_size": "inter_dim", "patch_size": "patch_size", "rope_theta": "rope_theta",
               "downsample_ratio": "downsample_ratio", "max_image_tokens": "max_n_token",
               "min_pixels": "min_pixels", "max_wh_ratio": "max_wh_ratio"}
-# HF keys that carry no model semantics we need, with the values we accept
-_HF_TEXT_IGNORED = {"model_type", "hidden_act", "attention_bias", "attention_dropout", "initializer_range",
-                    "use_cache", "tie_word_embeddings", "max_position_embeddings", "num_key_value_heads",
-                    "topk_method", "rope_scaling"}
+# HF keys that describe no freedom of this architecture: they must carry the release's value
+_HF_TEXT_FIXED = {"model_type": "deepseek_v41_text", "hidden_act": "silu", "attention_bias": False,
+                  "attention_dropout": 0.0, "tie_word_embeddings": False, "num_key_value_heads": 1,
+                  "topk_method": "noaux_tc"}
+_HF_TEXT_FREE = {"initializer_range", "use_cache", "max_position_embeddings", "rope_scaling"}
+_HF_TEXT_IGNORED = set(_HF_TEXT_FIXED) | _HF_TEXT_FREE
+_HF_QUANT = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+             "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
 _HF_TOP = {"bos_token_id", "eos_token_id", "pad_token_id", "image_token_id"}
 _HF_TOP_IGNORED = {"architectures", "model_type", "dtype", "transformers_version", "quantization_config",
                    "text_config", "vision_config"}
@@ -365,8 +375,12 @@ def from_hf(hf: dict | str | Path, **overrides) -> ModelConfig:
     unknown += sorted(set(hf) - _HF_TOP - _HF_TOP_IGNORED) if "text_config" in hf else []
     if unknown:
         _fail(f"unknown HF config key(s): {unknown}", source)
-    if text.get("tie_word_embeddings", False) or text.get("num_key_value_heads", 1) != 1:
-        _fail("tie_word_embeddings must be false and num_key_value_heads 1 for DeepSeek-V4.1", source)
+    for key, want in _HF_TEXT_FIXED.items():
+        if key in text and text[key] != want:
+            _fail(f"text_config.{key} = {text[key]!r} is not supported (DeepSeek-V4.1 has {want!r})", source)
+    quant = hf.get("quantization_config")
+    if quant is not None and quant != _HF_QUANT:
+        _fail(f"quantization_config {quant} is not the release format {_HF_QUANT}", source)
     nested: dict[str, Any] = {k: {} for k in ("attention", "moe", "mhc", "engram", "dspark")}
     for key, (sub, name) in _HF_TEXT.items():
         if key in text:
@@ -374,6 +388,9 @@ def from_hf(hf: dict | str | Path, **overrides) -> ModelConfig:
     rope = text.get("rope_scaling") or {}
     if rope and rope.get("rope_type") != "yarn":
         _fail(f"rope_scaling.rope_type must be 'yarn', got {rope.get('rope_type')!r}", source)
+    unknown_rope = sorted(set(rope) - set(_HF_ROPE) - {"rope_type"})
+    if unknown_rope:
+        _fail(f"unknown rope_scaling key(s): {unknown_rope}", source)
     for key, name in _HF_ROPE.items():
         if key in rope:
             nested["attention"][name] = rope[key]
@@ -386,8 +403,21 @@ def from_hf(hf: dict | str | Path, **overrides) -> ModelConfig:
         if bad:
             _fail(f"unknown HF vision_config key(s): {bad}", source)
         nested["vision"] = {_HF_VISION[k]: v for k, v in vis.items()}
-    cfg = _build(ModelConfig, nested, ModelConfig(), "", source)
+    try:
+        cfg = _build(ModelConfig, nested, ModelConfig(), "", None)
+    except ConfigError as err:
+        _fail(_hf_spelling(str(err)), source)
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def _hf_spelling(message: str) -> str:
+    """Name keys in an error as the HF file spells them (``hidden_size``, not our ``dim``)."""
+    names = {(f"{sub}.{name}" if sub else name): f"text_config.{key}" for key, (sub, name) in _HF_TEXT.items()}
+    names |= {f"attention.{name}": f"text_config.rope_scaling.{key}" for key, name in _HF_ROPE.items()}
+    names |= {f"vision.{name}": f"vision_config.{key}" for key, name in _HF_VISION.items()}
+    for ours in sorted(names, key=len, reverse=True):
+        message = message.replace(f"'{ours}'", f"'{names[ours]}'")
+    return message
 
 
 def to_hf(cfg: ModelConfig) -> dict:
@@ -401,8 +431,9 @@ def to_hf(cfg: ModelConfig) -> dict:
     for key, (sub, name) in list(_HF_TEXT.items()):
         val = getattr(getattr(cfg, sub) if sub else cfg, name)
         text[key] = list(val) if isinstance(val, tuple) else val
-    order = ["model_type", "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups",
+    order = ["model_type", "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "qk_rope_head_dim", "q_lora_rank",
+             "o_lora_rank", "o_groups",
              "hidden_act", "swiglu_limit", "rms_norm_eps", "attention_bias", "attention_dropout",
              "initializer_range", "use_cache", "tie_word_embeddings", "max_position_embeddings", "rope_theta",
              "rope_scaling", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "scoring_func",

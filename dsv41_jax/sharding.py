@@ -10,6 +10,8 @@ length, D model, N heads, H head dim, E experts, K top-k, C compressed entries, 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -64,16 +66,32 @@ def param(role: str, value: jax.Array) -> nnx.Param:
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-def logical_to_mesh(axes: tuple[str | None, ...], rules=None) -> P:
+def logical_to_mesh(axes: tuple[str | None, ...], rules=None, shape: tuple[int, ...] | None = None,
+                    mesh: jax.sharding.Mesh | None = None) -> P:
+    """The PartitionSpec of a parameter with logical ``axes``.
+
+    With ``shape`` and ``mesh``, a dimension keeps the longest leading run of its mesh axes whose total size
+    divides it and is replicated if none does (e.g. Engram tables have a prime-sum row count).
+    """
     rules = LOGICAL_RULES if rules is None else rules
-    return P(*(rules.get(a) if a is not None else None for a in axes))
+    spec = []
+    for i, name in enumerate(axes):
+        target = rules.get(name) if name is not None else None
+        if target is None or shape is None or mesh is None:
+            spec.append(target)
+            continue
+        run = (target,) if isinstance(target, str) else tuple(target)
+        while run and shape[i] % math.prod(mesh.shape[a] for a in run):
+            run = run[:-1]
+        spec.append(None if not run else run[0] if len(run) == 1 else run)
+    return P(*spec)
 
 
-def state_partition_specs(state: nnx.State, rules=None) -> nnx.State:
+def state_partition_specs(state: nnx.State, rules=None, mesh: jax.sharding.Mesh | None = None) -> nnx.State:
     """PartitionSpecs in mesh axes for every variable of ``state`` (from its logical annotation)."""
     def spec(v):
         axes = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
-        return logical_to_mesh(tuple(axes), rules) if axes else P()
+        return logical_to_mesh(tuple(axes), rules, tuple(v.shape), mesh) if axes else P()
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 

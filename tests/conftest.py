@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import jax
@@ -12,7 +11,7 @@ import pytest
 from dsv41_jax import config as C
 
 REPO = Path(__file__).resolve().parents[1]
-GOLDEN = Path(os.environ.get("DSV41_GOLDEN", REPO.parent / "shared" / "golden"))
+from dsv41_jax.testing import GOLDEN  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

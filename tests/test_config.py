@@ -15,15 +15,16 @@ import yaml
 from conftest import GOLDEN, REPO
 
 from dsv41_jax import config as C
+from dsv41_jax.testing import RELEASE
 
-RELEASE_CONFIG = REPO.parent / "shared" / "spec" / "release" / "config.json"
+RELEASE_CONFIG = RELEASE / "config.json"
 TINY_HF_CONFIG = GOLDEN / "tiny_hf" / "config.json"
 CONFIGS = REPO / "configs"
 
 
 def _need(path: Path) -> Path:
     if not path.exists():
-        pytest.skip(f"{path} not found (the shared/ checkout is absent)")
+        pytest.skip(f"{path} not found (test data missing)")
     return path
 
 
@@ -69,7 +70,7 @@ def test_to_hf_json_is_byte_identical(path, preset):
 
 
 def test_release_config_hash_matches_spec():
-    # spec model §1.1 pins the file by size and SHA-256; guards against a drifted copy in shared/
+    # spec model §1.1 pins the file by size and SHA-256; guards against a drifted copy
     data = _need(RELEASE_CONFIG).read_bytes()
     assert len(data) == 3311
     assert hashlib.sha256(data).hexdigest() == "8be45ce0476004a3f529fd896115a4a2e800a129ad2d3ec05b16050f52e21879"

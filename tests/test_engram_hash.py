@@ -1,17 +1,23 @@
 """Engram hashing (spec model §6.2–6.5) against the spec's release values and the golden reference outputs."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dsv41_jax.config import tiny, v41_flash
 from dsv41_jax.engram_hash import (
-    DEAD, EngramHasher, build_token_map, check_token_map, engram_multipliers, engram_offsets, engram_primes,
-    history_init, row_ids,
+    DEAD,
+    EngramHasher,
+    build_token_map,
+    check_token_map,
+    engram_multipliers,
+    engram_offsets,
+    engram_primes,
+    history_init,
+    row_ids,
 )
+from dsv41_jax.testing import GOLDEN  # noqa: E402
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 needs_golden = pytest.mark.skipif(not (GOLDEN / "inputs.npz").exists(),
                                   reason=f"golden data not found at {GOLDEN}")
 

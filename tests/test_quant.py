@@ -6,7 +6,6 @@ broken to the even code, and gets power-of-two scales from ``np.frexp``. Compari
 """
 
 import zlib
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -411,7 +410,7 @@ def test_quantize_fp4_rows_roundtrip_equals_qdq():
 # --------------------------------------------------------------------------------------------------
 # Reference outputs: the golden caches were QDQ'd by the reference and must be fixed points.
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
+from dsv41_jax.testing import GOLDEN  # noqa: E402
 
 
 @pytest.mark.skipif(not (GOLDEN / "ref_fp32.npz").exists(), reason="golden outputs not available")

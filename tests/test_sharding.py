@@ -184,7 +184,8 @@ def eight_devices() -> dict:
 def test_tiny_state_shards_on_8_devices(eight_devices, tiny_state, axis_type):
     r = eight_devices[axis_type]
     assert r["n"] == len(tiny_state)
-    # with the mesh given, state_partition_specs' divisibility fallback places every leaf lands with the expected spec, shard shapes and values
+    # with the mesh given, state_partition_specs' divisibility fallback places every leaf with the
+    # expected spec, shard shapes and values
     assert not r["bad"], r["bad"][:10]
     # and the fallback touched exactly the Engram tables (only their row dim)
     assert r["changed"] == ["layers.1.engram.embed.weight", "layers.4.engram.embed.weight"]

@@ -1,6 +1,6 @@
 """Safetensors reader/writer and HF checkpoint loading, checked against independent oracles.
 
-The golden tiny checkpoint (shared/golden/README.md §1) is in the release's exact format: 1,167
+The golden tiny checkpoint (tests/data/golden) is in the release's exact format: 1,167
 tensors, every dtype and quantised layout of spec model §2.2.
 """
 
@@ -25,14 +25,15 @@ from dsv41_jax.checkpoint.safetensors import (
     ShardedCheckpoint,
     save_file,
 )
+from dsv41_jax.testing import GOLDEN as _GOLDEN  # noqa: E402
 
-GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden" / "tiny_hf"
+GOLDEN = _GOLDEN / "tiny_hf"
 
 
 @pytest.fixture(scope="module")
 def golden() -> Path:
     if not (GOLDEN / "model.safetensors.index.json").is_file():
-        pytest.skip(f"golden tiny checkpoint not found at {GOLDEN} (shared/golden is not checked out)")
+        pytest.skip(f"golden tiny checkpoint not found at {GOLDEN} (test data missing)")
     return GOLDEN
 
 

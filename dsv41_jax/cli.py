@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from dsv41_jax import config as C
+from dsv41_jax.checkpoint.plan import ConvertError
 
 
 def resolve_config(spec: str) -> C.ModelConfig:
@@ -62,7 +63,12 @@ def _cmd_score(args) -> int:
     from dsv41_jax.checkpoint.load import model_from_hf
     from dsv41_jax.scoring import compare, format_report, prefill_outputs
 
-    model, hasher = model_from_hf(args.hf_dir, dtype=args.dtype)
+    if args.ckpt:
+        from dsv41_jax.checkpoint.load import model_from_orbax
+
+        model, hasher = model_from_orbax(args.ckpt, dtype=args.dtype, param_dtype=args.param_dtype)
+    else:
+        model, hasher = model_from_hf(args.hf_dir, dtype=args.dtype)
     inputs = np.load(args.inputs)
     tags = [k[: -len("_ids")] for k in inputs.files if k.endswith("_ids")]
     if not tags:
@@ -79,6 +85,25 @@ def _cmd_score(args) -> int:
     return 0
 
 
+def _cmd_convert(args) -> int:
+    """HF release directory -> Orbax checkpoint (validated, streamed, resumable)."""
+    from dsv41_jax.checkpoint.convert import convert, parse_mesh
+
+    convert(args.hf_dir, args.out, weights=args.weights, mesh=parse_mesh(args.mesh),
+            chunk_bytes=int(args.chunk_mb * (1 << 20)), progress=not args.quiet)
+    return 0
+
+
+def _cmd_make_fake_hf(args) -> int:
+    """A random checkpoint of any config in the exact release format."""
+    from dsv41_jax.checkpoint.fake_hf import write_fake_hf
+
+    cfg = write_fake_hf(resolve_config(args.config), args.out, seed=args.seed,
+                        shard_bytes=int(args.shard_mb * (1 << 20)))
+    print(f"wrote a random {cfg.n_layers}-layer release-format checkpoint to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,13 +114,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="v41_flash")
     p.set_defaults(fn=_cmd_params)
     p = sub.add_parser("score", help="run a release-format HF checkpoint and compare with reference outputs")
-    p.add_argument("--hf-dir", required=True, help="directory with config.json, index, shards, tokenizer.json")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-dir", help="directory with config.json, index, shards, tokenizer.json")
+    src.add_argument("--ckpt", help="an Orbax checkpoint written by `dsv41 convert`")
+    p.add_argument("--param-dtype", choices=["float32", "bfloat16"],
+                   help="with --ckpt: parameter dtype (default: float32 for fp32 conversions, else bfloat16)")
     p.add_argument("--inputs", required=True, help="npz with <tag>_ids int arrays [B, S]")
     p.add_argument("--reference", help="npz of reference outputs under the same names")
     p.add_argument("--out", help="write our outputs here (npz)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_cmd_score)
+    p = sub.add_parser("convert", help="convert a release-format HF checkpoint into an Orbax checkpoint")
+    p.add_argument("--hf-dir", required=True, help="directory with config.json, index, shards, tokenizer.json")
+    p.add_argument("--out", required=True, help="new output directory (resumes from OUT.partial if present)")
+    p.add_argument("--weights", default="fp32", choices=["native", "bf16", "fp32"],
+                   help="native: keep FP8/FP4 + E8M0 scales; bf16/fp32: dequantise (default fp32)")
+    p.add_argument("--mesh", help="align storage chunks to shards of this mesh, e.g. fsdp=8,expert=4")
+    p.add_argument("--chunk-mb", type=float, default=256, help="output bytes per written band (memory bound)")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.set_defaults(fn=_cmd_convert)
+    p = sub.add_parser("make-fake-hf", help="write a random checkpoint of a config in the exact release format")
+    p.add_argument("--config", required=True, help="preset name, YAML file or HF directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-mb", type=float, default=64, help="target shard size")
+    p.set_defaults(fn=_cmd_make_fake_hf)
     return parser
 
 
@@ -103,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except C.ConfigError as err:
+    except (C.ConfigError, ConvertError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -132,6 +132,9 @@ class ModelConfig:
     # norm statistics, softmax and logits are fp32 regardless (spec model §3, §4, §5)
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
+    # "native" keeps the release's FP8 / packed-FP4 weights with their E8M0 scales and dequantises them on
+    # the fly (spec model §2.2, §2.5); "float" holds every weight in param_dtype
+    weight_format: str = "float"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mhc: MHCConfig = field(default_factory=MHCConfig)
@@ -161,6 +164,8 @@ def validate(cfg: ModelConfig, source: str | None = None) -> None:
     if cfg.dtype not in ("bfloat16", "float32") or cfg.param_dtype not in ("bfloat16", "float32"):
         _fail(f"dtype/param_dtype must be 'bfloat16' or 'float32', got {cfg.dtype!r}/{cfg.param_dtype!r}",
               source)
+    if cfg.weight_format not in ("float", "native"):
+        _fail(f"weight_format must be 'float' or 'native', got {cfg.weight_format!r}", source)
     if len(a.compress_ratios) != total:
         _fail(f"attention.compress_ratios has {len(a.compress_ratios)} entries; expected n_layers + "
               f"dspark.n_layers = {total}", source)

@@ -1,4 +1,5 @@
-"""Build our model from a release-format Hugging Face directory (dequantised weights)."""
+"""Build our model from a release-format Hugging Face directory (dequantised weights) or from the Orbax
+checkpoint ``dsv41 convert`` writes (any weights mode, optionally sharded over a mesh)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dsv41_jax import config as C
 from dsv41_jax.checkpoint.hf import load_hf_params
-from dsv41_jax.checkpoint.tree import NON_BACKBONE_PREFIXES, assign
+from dsv41_jax.checkpoint.store import restore_arrays, stored_arrays
+from dsv41_jax.checkpoint.tree import NON_BACKBONE_PREFIXES, assign, flat_variables
 from dsv41_jax.engram_hash import EngramHasher, build_token_map, check_token_map
 from dsv41_jax.model.transformer import Transformer, abstract_model
+from dsv41_jax.sharding import state_partition_specs
 
 
 def model_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32", param_dtype: str = "float32"
@@ -27,5 +32,59 @@ def model_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32", param_dt
         var.set_value(np.zeros(var.shape, var.dtype))  # concrete placeholders, overwritten by assign
     assign(model, arrays)
     token_map = build_token_map(hf_dir / "tokenizer.json")
+    check_token_map(token_map, cfg.engram)
+    return model, EngramHasher(cfg.engram, token_map)
+
+
+def _shardings(model: Transformer, mesh: jax.sharding.Mesh | None) -> dict[str, jax.sharding.Sharding]:
+    """{name: sharding}: one device, or each variable's ``state_partition_specs`` entry on ``mesh``."""
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return dict.fromkeys(flat_variables(model), one)
+    specs = state_partition_specs(nnx.state(model), mesh=mesh)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))
+    return {".".join(str(k.key) for k in path): NamedSharding(mesh, spec) for path, spec in leaves}
+
+
+def _check_stored(ckpt_dir: Path, variables: dict[str, nnx.Variable], stored: dict) -> None:
+    """Every model array present with its shape; stored FP8 / FP4 / E8M0 bytes never cast into floats."""
+    missing = sorted(set(variables) - set(stored))
+    wrong = [f"{n}: stored {list(stored[n][0])} {stored[n][1]}, model {list(v.shape)} {v.dtype}"
+             for n, v in variables.items() if n in stored
+             and (tuple(stored[n][0]) != tuple(v.shape) or (stored[n][1].itemsize == 1) != (v.dtype.itemsize == 1))]
+    if missing or wrong:
+        lines = ([f"missing ({len(missing)}): {', '.join(missing[:20])}"] if missing else []) + \
+                ([f"shape/format mismatch ({len(wrong)}): {'; '.join(wrong[:20])}"] if wrong else [])
+        raise ValueError(f"{ckpt_dir}: the checkpoint does not fit the model of its config.json:\n  "
+                         + "\n  ".join(lines))
+
+
+def model_from_orbax(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", param_dtype: str | None = None,
+                     mesh: jax.sharding.Mesh | None = None) -> tuple[Transformer, EngramHasher]:
+    """The text backbone restored from a converted checkpoint, and the Engram hasher of its tokenizer.
+
+    The model's ``weight_format`` follows the checkpoint (``native`` conversions give a model that keeps FP8 /
+    FP4 weights and dequantises on the fly). ``param_dtype`` defaults to bfloat16 for ``native`` and ``bf16``
+    conversions and float32 for ``fp32``; stored float arrays are cast to it while reading. With ``mesh``,
+    every array is read shard by shard onto the devices ``state_partition_specs`` assigns it; only the
+    backbone's arrays are read (``mtp.*``, ``vision.*`` ... stay on disk for the modules that own them).
+    """
+    from dsv41_jax.checkpoint.convert import read_manifest
+
+    ckpt_dir = Path(ckpt_dir)
+    manifest = read_manifest(ckpt_dir)
+    default = "float32" if manifest["weights"] == "fp32" else "bfloat16"
+    cfg = C.from_hf(ckpt_dir / "config.json").replace(
+        dtype=dtype, param_dtype=param_dtype or default, weight_format=manifest["weight_format"])
+    model = abstract_model(cfg)
+    variables = flat_variables(model)
+    params_dir = ckpt_dir / manifest["params"]
+    _check_stored(ckpt_dir, variables, stored_arrays(params_dir))
+    shardings = _shardings(model, mesh)
+    targets = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[n]) for n, v in variables.items()}
+    arrays = restore_arrays(params_dir, targets)
+    for name, var in variables.items():
+        var.set_value(arrays[name])
+    token_map = build_token_map(ckpt_dir / "tokenizer.json")
     check_token_map(token_map, cfg.engram)
     return model, EngramHasher(cfg.engram, token_map)

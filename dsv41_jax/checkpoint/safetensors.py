@@ -179,6 +179,30 @@ class SafetensorsFile:
         # np.ndarray (not memmap subclass) view: slicing a memmap subclass is needlessly slow.
         return np.asarray(raw).view(DTYPES[dtype]).reshape(shape)
 
+    def read_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) of tensor `name` (its leading axis) as a new array, read with pread.
+
+        Unlike `get`, nothing stays mapped: a streaming reader's resident memory is only what it holds.
+        """
+        dtype, shape, begin, _ = self._entry(name)
+        dt = DTYPES[dtype]
+        if not shape:
+            start, stop, row = 0, 1, dt.itemsize
+        else:
+            stop = shape[0] if stop is None else min(stop, shape[0])
+            row = math.prod(shape[1:]) * dt.itemsize
+        out = np.empty((max(stop - start, 0), *shape[1:]), dt)
+        raw = out.reshape(-1).view(np.uint8)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [raw], self._data_start + begin + start * row) if raw.size else 0
+        finally:
+            os.close(fd)
+        if got != raw.size:
+            raise SafetensorsError(f"{self.path}: tensor {name!r}: short read ({got} of {raw.size} bytes);"
+                                   " the file changed or is truncated")
+        return out.reshape(shape) if not shape else out
+
     def close(self) -> None:
         self._mmap, self._closed = None, True
 
@@ -312,6 +336,9 @@ class ShardedCheckpoint:
 
     def get(self, name: str) -> np.ndarray:
         return self._locate(name).get(name)
+
+    def read_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self._locate(name).read_rows(name, start, stop)
 
     def validate(self) -> None:
         """Check index <-> shard headers both ways (headers only, no data is read)."""

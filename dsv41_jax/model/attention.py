@@ -36,22 +36,24 @@ class Shared(NamedTuple):
 
 class Attention(nnx.Module):
     def __init__(self, cfg: AttentionConfig, spec: LayerSpec, dim: int, norm_eps: float, *, dtype, param_dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, native: bool = False):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        fp8 = kw | dict(native=native)  # the FP8 linears of the release (spec model §2.3)
         n, h = cfg.n_heads, cfg.head_dim
-        self.wq_a = Linear(dim, cfg.q_lora_rank, "q_down", **kw)
+        self.wq_a = Linear(dim, cfg.q_lora_rank, "q_down", **fp8)
         self.q_norm = RMSNorm(cfg.q_lora_rank, norm_eps, param_dtype=param_dtype)
-        self.wq_b = Linear(cfg.q_lora_rank, n * h, "q_up", **kw)
-        self.wkv = Linear(dim, h, "kv_down", **kw)
+        self.wq_b = Linear(cfg.q_lora_rank, n * h, "q_up", **fp8)
+        self.wkv = Linear(dim, h, "kv_down", **fp8)
         self.kv_norm = RMSNorm(h, norm_eps, param_dtype=param_dtype)
-        # wo_a is block-diagonal over o_groups groups of n/o_groups contiguous heads (spec §3.7)
+        # wo_a is block-diagonal over o_groups groups of n/o_groups contiguous heads (spec §3.7); stored FP8,
+        # but held dequantised even in native mode, as the reference does at load (spec model §2.5)
         self.wo_a = Linear(n // cfg.o_groups * h, cfg.o_groups * cfg.o_lora_rank, "out_group", **kw)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, dim, "out_proj", **kw)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, dim, "out_proj", **fp8)
         self.attn_sink = param("sink", jnp.zeros((n,), jnp.float32))
         if spec.owns_compressor:
             self.compressor = Compressor(dim, h, spec.ratio, norm_eps, **kw)
         if spec.has_indexer:
-            self.indexer = Indexer(cfg, dim, norm_eps, owns_keys=spec.owns_compressor, **kw)
+            self.indexer = Indexer(cfg, dim, norm_eps, owns_keys=spec.owns_compressor, **fp8)
         self.cfg, self.spec = cfg, spec
 
     @property
@@ -63,11 +65,8 @@ class Attention(nnx.Module):
         cfg, spec = self.cfg, self.spec
         b, s, _ = x.shape
         pos = jnp.broadcast_to(jnp.arange(s), (b, s))
-        q_latent = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_latent).reshape(b, s, cfg.n_heads, cfg.head_dim)
-        q = apply_rope(q, pos, self.freqs, heads=True)
-        # SWA KV: FP8 fake-quant over all lanes, after RoPE (spec §3.2, §7.1)
-        window_kv = quant.qdq_fp8_ue8m0(apply_rope(self.kv_norm(self.wkv(x)), pos, self.freqs, heads=False))
+        q, q_latent = self.query(x, pos)
+        window_kv = self.window_kv(x, pos)
         if spec.owns_compressor:
             shared = self._publish_kv(x, shared)
         if spec.has_indexer:
@@ -76,7 +75,18 @@ class Attention(nnx.Module):
             o = sparse_attention(q, window_kv, self.attn_sink[...], cfg.window_size, shared.main_kv, shared.topk)
         else:
             o = sparse_attention(q, window_kv, self.attn_sink[...], cfg.window_size)
-        return self._output(o, pos), shared
+        return self.output(o, pos), shared
+
+    def query(self, x: Float[Array, "B S D"], pos: Int[Array, "B S"]):
+        """``(q [B,S,N,H] with RoPE on the trailing lanes, q_latent [B,S,R])`` (spec §3.1)."""
+        cfg = self.cfg
+        q_latent = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_latent).reshape(*x.shape[:2], cfg.n_heads, cfg.head_dim)
+        return apply_rope(q, pos, self.freqs, heads=True), q_latent
+
+    def window_kv(self, x: Float[Array, "B S D"], pos: Int[Array, "B S"]) -> Float[Array, "B S H"]:
+        """This layer's own SWA KV: RoPE, then FP8 fake-quant over all lanes (spec §3.2, §7.1)."""
+        return quant.qdq_fp8_ue8m0(apply_rope(self.kv_norm(self.wkv(x)), pos, self.freqs, heads=False))
 
     def _publish_kv(self, x: jax.Array, shared: Shared) -> Shared:
         """Main KV and index keys from the compressor latent, positioned at each group's first token (§3.4)."""
@@ -98,7 +108,7 @@ class Attention(nnx.Module):
             scores = jnp.where(allowed, scores, -jnp.inf)
         return shared._replace(topk=select_topk(scores, cfg.index_topk, n_visible))
 
-    def _output(self, o: Float[Array, "B S N H"], pos: jax.Array) -> Float[Array, "B S D"]:
+    def output(self, o: Float[Array, "B S N H"], pos: jax.Array) -> Float[Array, "B S D"]:
         """Inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b`` (spec §3.7)."""
         cfg = self.cfg
         b, s = o.shape[:2]

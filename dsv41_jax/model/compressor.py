@@ -25,13 +25,21 @@ class Compressor(nnx.Module):
         self.ratio = ratio
 
     def __call__(self, x: Float[Array, "B S D"]) -> Float[Array, "B C H"]:
+        """Latents of the complete groups of a sequence that starts at position 0."""
         m = self.ratio
         if m == 1:
             return self.norm(self.wkv(x))
         b, s, _ = x.shape
         t = s // m
-        xg = x[:, : t * m].astype(jnp.float32)
-        c = self.wkv(xg, dtype=jnp.float32).reshape(b, t, m, -1)
-        z = self.wgate(xg, dtype=jnp.float32).reshape(b, t, m, -1)
-        pooled = (jax.nn.softmax(z, axis=2) * c).sum(axis=2)  # [B, C, H]
-        return self.norm(pooled.astype(x.dtype))
+        c, z = self.project(x[:, : t * m])
+        return self.pool(c.reshape(b, t, m, -1), z.reshape(b, t, m, -1), x.dtype)
+
+    def project(self, x: Float[Array, "*B D"]) -> tuple[Float[Array, "*B H"], Float[Array, "*B H"]]:
+        """Per-token fp32 values ``c = x·Wkvᵀ`` and gate logits ``z = x·Wgateᵀ`` (ratio > 1)."""
+        xf = x.astype(jnp.float32)
+        return self.wkv(xf, dtype=jnp.float32), self.wgate(xf, dtype=jnp.float32)
+
+    def pool(self, c: Float[Array, "*B M H"], z: Float[Array, "*B M H"], dtype) -> Float[Array, "*B H"]:
+        """Per-channel softmax over a group's m tokens, pool, cast, RMSNorm (pool first, then cast: §3.3)."""
+        pooled = (jax.nn.softmax(z, axis=-2) * c).sum(axis=-2)
+        return self.norm(pooled.astype(dtype))

@@ -17,9 +17,11 @@ class Indexer(nnx.Module):
     """Index queries (every index source) and, on KV sources, the index-key projection ``wk``/``k_norm``."""
 
     def __init__(self, cfg: AttentionConfig, dim: int, norm_eps: float, owns_keys: bool, *, dtype, param_dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, native: bool = False):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, "index_q_up", **kw)
+        # only wq_b is FP8 in the release; wk and weights_proj are bf16 (spec model §2.3)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, "index_q_up", **kw,
+                           native=native)
         self.weights_proj = Linear(dim, cfg.index_n_heads, "index_weights", **kw)
         if owns_keys:
             self.wk = Linear(cfg.head_dim, cfg.index_head_dim, "index_k", **kw)
@@ -31,22 +33,41 @@ class Indexer(nnx.Module):
         k = apply_rope(self.k_norm(self.wk(latent)), positions, freqs, heads=False)
         return quant.qdq_mxfp4(k)
 
-    def scores(self, x: Float[Array, "B S D"], q_latent: Float[Array, "B S R"], positions: Int[Array, "B S"],
-               freqs, index_k: Float[Array, "B T I"], n_visible: Int[Array, "B S"]) -> Float[Array, "B S T"]:
-        """``I[s, t] = Σ_h w[s, h]·ReLU(q[s, h]·k[t])``, −∞ where ``t ≥ n_visible[s]`` (fp32)."""
+    def queries(self, x: Float[Array, "B S D"], q_latent: Float[Array, "B S R"], positions: Int[Array, "B S"],
+                freqs) -> tuple[Float[Array, "B S N I"], Float[Array, "B S N"]]:
+        """MXFP4-QDQ'd index queries and the per-head weights ``weights_proj(x)/sqrt(I·N)`` (fp32)."""
         c = self.cfg
         iq = self.wq_b(q_latent).reshape(*q_latent.shape[:-1], c.index_n_heads, c.index_head_dim)
         iq = quant.qdq_mxfp4(apply_rope(iq, positions, freqs, heads=True))
         w = self.weights_proj(x).astype(jnp.float32) * (c.index_head_dim * c.index_n_heads) ** -0.5
-        dots = jnp.einsum("bshd,btd->bsht", iq, index_k.astype(iq.dtype), preferred_element_type=jnp.float32)
-        scores = jnp.einsum("bsh,bsht->bst", w, jax.nn.relu(dots))
+        return iq, w
+
+    def scores(self, x: Float[Array, "B S D"], q_latent: Float[Array, "B S R"], positions: Int[Array, "B S"],
+               freqs, index_k: Float[Array, "B T I"], n_visible: Int[Array, "B S"]) -> Float[Array, "B S T"]:
+        """``I[s, t] = Σ_h w[s, h]·ReLU(q[s, h]·k[t])``, −∞ where ``t ≥ n_visible[s]`` (fp32)."""
+        iq, w = self.queries(x, q_latent, positions, freqs)
+        scores = index_scores(iq, w, index_k)
         visible = jnp.arange(index_k.shape[1]) < n_visible[..., None]
         return jnp.where(visible, scores, -jnp.inf)
 
 
-def candidate_blocks(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
-                     n_blocks: int) -> Bool[Array, "B S NB"]:
-    """Per query, the kept blocks of ``block_size`` positions (spec attention §6.1).
+def index_scores(iq: Float[Array, "B S N I"], w: Float[Array, "B S N"], keys: Float[Array, "B T I"]
+                 ) -> Float[Array, "B S T"]:
+    """``Σ_h w_h·ReLU(q_h·k_t)`` for every key (spec attention §3.5), fp32."""
+    dots = jnp.einsum("bshd,btd->bsht", iq, keys.astype(iq.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("bsh,bsht->bst", w, jax.nn.relu(dots))
+
+
+def gathered_index_scores(iq: Float[Array, "B S N I"], w: Float[Array, "B S N"], keys: Float[Array, "B S K I"]
+                          ) -> Float[Array, "B S K"]:
+    """The same score against a per-query set of keys (Reindex layers scoring only their candidates)."""
+    dots = jnp.einsum("bshd,bskd->bshk", iq, keys.astype(iq.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("bsh,bshk->bsk", w, jax.nn.relu(dots))
+
+
+def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
+                        n_blocks: int) -> Int[Array, "B S K"]:
+    """Per query, the kept blocks of ``block_size`` positions, ascending, −1 padded (spec attention §6.1).
 
     Block score = max over its positions; the block holding the newest visible entry is pinned (+∞);
     the top ``n_blocks`` blocks whose score is > −∞ are kept. Ties go to the lower block index.
@@ -59,9 +80,22 @@ def candidate_blocks(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"]
     pinned = (jnp.arange(nb) == newest[..., None]) & (n_visible[..., None] > 0)
     block_max = jnp.where(pinned, jnp.inf, block_max)
     vals, idx = jax.lax.top_k(block_max, min(n_blocks, nb))
-    keep = vals > -jnp.inf
-    scatter = jax.vmap(jax.vmap(lambda i, k: jnp.zeros((nb,), bool).at[i].set(k)))
-    return scatter(idx, keep)
+    ids = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)  # dropped blocks sort last
+    return jnp.where(ids < nb, ids, -1).astype(jnp.int32)
+
+
+def block_mask(ids: Int[Array, "B S K"], n_blocks_total: int) -> Bool[Array, "B S NB"]:
+    """Kept-block ids → a per-block bool mask (−1 entries ignored)."""
+    ids = jnp.where(ids >= 0, ids, n_blocks_total)  # out of range: dropped by the scatter (−1 would wrap)
+    scatter = jax.vmap(jax.vmap(lambda i: jnp.zeros((n_blocks_total,), bool).at[i].set(True, mode="drop")))
+    return scatter(ids)
+
+
+def candidate_blocks(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
+                     n_blocks: int) -> Bool[Array, "B S NB"]:
+    """:func:`candidate_block_ids` as a per-block mask over all ``ceil(T / block_size)`` blocks."""
+    ids = candidate_block_ids(scores, n_visible, block_size, n_blocks)
+    return block_mask(ids, -(-scores.shape[-1] // block_size))
 
 
 def expand_blocks(blocks: Bool[Array, "B S NB"], block_size: int, length: int) -> Bool[Array, "B S T"]:

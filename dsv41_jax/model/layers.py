@@ -8,6 +8,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
+from dsv41_jax import quant
 from dsv41_jax.sharding import param
 
 
@@ -27,15 +28,31 @@ def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> jax.Arr
 
 
 class Linear(nnx.Module):
-    """``y = x · Wᵀ`` with ``W`` stored [out, in] like the checkpoint; computed in ``dtype``."""
+    """``y = x · Wᵀ`` with ``W`` stored [out, in] like the checkpoint; computed in ``dtype``.
 
-    def __init__(self, d_in: int, d_out: int, role: str, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.weight = param(role, normal(rngs, (d_out, d_in), d_in ** -0.5, param_dtype))
-        self.dtype = dtype
+    ``native=True`` holds the release's own storage (spec model §2.2): ``weight`` float8_e4m3fn [out, in] and
+    ``scale`` [out/32, in/32] as raw E8M0 bytes (uint8), dequantised on the fly. The dequantised values are
+    exact in fp32 and bf16, so the product equals the float path on a dequantising conversion.
+    """
+
+    def __init__(self, d_in: int, d_out: int, role: str, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 native: bool = False):
+        w = normal(rngs, (d_out, d_in), d_in ** -0.5, jnp.float32 if native else param_dtype)
+        if native:
+            w, scale = quant.quantize_fp8_blocks(w)
+            self.scale = param(role, scale)
+        self.weight = param(role, w)
+        self.dtype, self.native = dtype, native
+
+    def dense(self, dtype) -> Float[Array, "O I"]:
+        """The weight as a ``dtype`` matrix (dequantised from FP8 + E8M0 blocks when native)."""
+        if self.native:
+            return quant.dequant_fp8_blocks(self.weight[...], self.scale[...]).astype(dtype)
+        return self.weight[...].astype(dtype)
 
     def __call__(self, x: Float[Array, "*B I"], dtype=None) -> Float[Array, "*B O"]:
         dt = dtype or self.dtype
-        return jnp.einsum("...i,oi->...o", x.astype(dt), self.weight[...].astype(dt),
+        return jnp.einsum("...i,oi->...o", x.astype(dt), self.dense(dt),
                           preferred_element_type=jnp.float32).astype(dt)
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from dsv41_jax import quant
 from dsv41_jax.config import MoEConfig
 from dsv41_jax.model.layers import Linear, normal
 from dsv41_jax.sharding import PARAM_AXES, param
@@ -51,22 +52,39 @@ class Gate(nnx.Module):
 
 
 class StackedLinear(nnx.Module):
-    """``n`` expert matrices stacked on a leading axis: weight [E, out, in]."""
+    """``n`` expert matrices stacked on a leading axis: weight [E, out, in].
 
-    def __init__(self, n: int, d_in: int, d_out: int, role: str, *, param_dtype, rngs: nnx.Rngs):
-        self.weight = param(role, normal(rngs, (n, d_out, d_in), d_in ** -0.5, param_dtype))
+    ``native=True`` holds the release's MXFP4 storage (spec model §2.2): ``weight`` uint8 [E, out, in/2]
+    (two E2M1 codes per byte, low nibble = even column) and ``scale`` [E, out, in/32] E8M0 bytes.
+    """
+
+    def __init__(self, n: int, d_in: int, d_out: int, role: str, *, param_dtype, rngs: nnx.Rngs,
+                 native: bool = False):
+        w = normal(rngs, (n, d_out, d_in), d_in ** -0.5, jnp.float32 if native else param_dtype)
+        if native:
+            w, scale = quant.quantize_fp4_rows(w)
+            self.scale = param(role, scale)
+        self.weight = param(role, w)
+        self.native = native
+
+    def dense(self, dtype) -> Float[Array, "E O I"]:
+        """All experts as ``dtype`` matrices (dequantised on the fly when native; exact in bf16 and fp32)."""
+        if self.native:
+            return quant.dequant_fp4_rows(self.weight[...], self.scale[...]).astype(dtype)
+        return self.weight[...].astype(dtype)
 
 
 class Experts(nnx.Module):
-    def __init__(self, n: int, dim: int, inter: int, *, param_dtype, rngs: nnx.Rngs):
-        self.w1 = StackedLinear(n, dim, inter, "expert_up", param_dtype=param_dtype, rngs=rngs)
-        self.w2 = StackedLinear(n, inter, dim, "expert_down", param_dtype=param_dtype, rngs=rngs)
-        self.w3 = StackedLinear(n, dim, inter, "expert_up", param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, n: int, dim: int, inter: int, *, param_dtype, rngs: nnx.Rngs, native: bool = False):
+        kw = dict(param_dtype=param_dtype, rngs=rngs, native=native)
+        self.w1 = StackedLinear(n, dim, inter, "expert_up", **kw)
+        self.w2 = StackedLinear(n, inter, dim, "expert_down", **kw)
+        self.w3 = StackedLinear(n, dim, inter, "expert_up", **kw)
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, dim: int, inter: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, dim: int, inter: int, *, dtype, param_dtype, rngs: nnx.Rngs, native: bool = False):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, native=native)
         self.w1 = Linear(dim, inter, "mlp_up", **kw)
         self.w2 = Linear(inter, dim, "mlp_down", **kw)
         self.w3 = Linear(dim, inter, "mlp_up", **kw)
@@ -93,21 +111,23 @@ def routed_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: 
     sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
     xs = x[token]  # [T·K, D]
 
-    def grouped(lhs, w):  # w: [E, out, in] -> rhs [E, in, out]
-        return jax.lax.ragged_dot(lhs, jnp.swapaxes(w[...].astype(dt), 1, 2), sizes,
+    def grouped(lhs, w: StackedLinear):  # [E, out, in] -> rhs [E, in, out]
+        return jax.lax.ragged_dot(lhs, jnp.swapaxes(w.dense(dt), 1, 2), sizes,
                                   preferred_element_type=jnp.float32)
 
-    act = clamped_swiglu(grouped(xs, module.w1.weight), grouped(xs, module.w3.weight), limit)
+    act = clamped_swiglu(grouped(xs, module.w1), grouped(xs, module.w3), limit)
     act = act * weights.reshape(-1)[order][:, None]  # routing weight before w2 (spec §5.2)
-    out = grouped(act.astype(dt), module.w2.weight)
+    out = grouped(act.astype(dt), module.w2)
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token].add(out)
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: MoEConfig, dim: int, n_experts: int, k: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.gate = Gate(cfg, dim, n_experts, k, param_dtype=param_dtype, rngs=rngs)
-        self.experts = Experts(n_experts, dim, cfg.moe_inter_dim, param_dtype=param_dtype, rngs=rngs)
-        self.shared_experts = SwiGLU(dim, cfg.moe_inter_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, cfg: MoEConfig, dim: int, n_experts: int, k: int, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 native: bool = False):
+        kw = dict(param_dtype=param_dtype, rngs=rngs, native=native)
+        self.gate = Gate(cfg, dim, n_experts, k, param_dtype=param_dtype, rngs=rngs)  # bf16 in the release
+        self.experts = Experts(n_experts, dim, cfg.moe_inter_dim, **kw)
+        self.shared_experts = SwiGLU(dim, cfg.moe_inter_dim, dtype=dtype, **kw)
         self.cfg = cfg
 
     def __call__(self, x: Float[Array, "B S D"], is_image: Bool[Array, "B S"] | None = None):

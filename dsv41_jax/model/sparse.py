@@ -21,12 +21,12 @@ def _pad_seq(x: jax.Array, length: int, value=0) -> jax.Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _window_mask(n_chunks: int, window: int, replay_start: int) -> jax.Array:
-    """[c, W, 2W] bool: key j of chunk c's band is visible to query i (positions absolute from 0)."""
+def _band_mask(n_chunks: int, window: int) -> jax.Array:
+    """[c, W, 2W] bool: key j of chunk c's band (previous chunk + own chunk) is in query i's window."""
     qpos = jnp.arange(n_chunks * window).reshape(n_chunks, window)
     kpos = (jnp.arange(n_chunks)[:, None] - 1) * window + jnp.arange(2 * window)[None]
     q, k = qpos[:, :, None], kpos[:, None, :]
-    return (k <= q) & (k > q - window) & (k >= replay_start)
+    return (k <= q) & (k > q - window) & (k >= 0)
 
 
 def sparse_attention(
@@ -36,42 +36,72 @@ def sparse_attention(
     window: int,
     compressed_kv: Float[Array, "B T H"] | None = None,
     topk: Int[Array, "B S K"] | None = None,
-    replay_start: int = 0,
+    replay_start: int | Int[Array, "B"] = 0,
+    *,
+    start: Int[Array, "B"] | None = None,
+    prefix_kv: Float[Array, "B P H"] | None = None,
+    prefix_pos: Int[Array, "B P"] | None = None,
+    picked: Float[Array, "B S K H"] | None = None,
 ) -> Float[Array, "B S N H"]:
-    """Attention of every query position to its window and to its selected compressed entries.
+    """Attention of a chunk of consecutive query positions to its window and its selected compressed entries.
 
-    Query ``i`` sees window keys ``max(replay_start, i−W+1) … i`` and the compressed entries listed in
-    ``topk[i]`` (−1 = empty). The per-head sink logit enters only the denominator. Logits and the
-    denominator are fp32; probabilities are cast to the activation dtype before P·V (spec §3.6).
+    Row ``i`` is at absolute position ``p = start + i`` (``start`` defaults to 0). It sees window keys at
+    positions ``max(replay_start, p−W+1) … p``: those of this chunk, and ``prefix_kv`` (e.g. an SWA ring)
+    at ``prefix_pos`` (−1 = empty slot). It also sees the compressed entries ``topk[i]`` (−1 = empty),
+    read from ``compressed_kv`` or given already gathered as ``picked``. The per-head sink logit enters
+    only the denominator. Logits and the denominator are fp32; probabilities are cast to the activation
+    dtype before P·V (spec §3.6). No [S, T] mask is built: the chunk is processed in blocks of W queries
+    against their own and the previous block.
     """
     b, s, n, h = q.shape
-    dt = q.dtype
-    scale = h ** -0.5
+    dt, scale = q.dtype, h ** -0.5
+    start = jnp.zeros((b,), jnp.int32) if start is None else start
+    floor = jnp.broadcast_to(jnp.asarray(replay_start, jnp.int32), (b,)) - start  # chunk-local replay start
     nc = -(-s // window)
     qc = _pad_seq(q, nc * window).reshape(b, nc, window, n, h)
     kv = _pad_seq(window_kv, nc * window).reshape(b, nc, window, h)
     band = jnp.concatenate([jnp.pad(kv[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0))), kv], axis=2)  # [B,c,2W,H]
-    lw = jnp.einsum("bcinh,bcjh->bcinj", qc, band, preferred_element_type=jnp.float32) * scale
-    lw = jnp.where(_window_mask(nc, window, replay_start)[None, :, :, None, :], lw, NEG_INF)
-    sink = sink.astype(jnp.float32)[:, None]  # [N, 1]
-    mx = jnp.maximum(lw.max(-1, keepdims=True), sink)
-    if compressed_kv is not None:
-        idx = _pad_seq(topk, nc * window, value=-1)  # [B, S', K]
-        picked = jax.vmap(lambda kv_, i: kv_[jnp.maximum(i, 0)])(compressed_kv, idx)  # [B, S', K, H]
-        picked = picked.reshape(b, nc, window, -1, h)
-        lc = jnp.einsum("bcinh,bcikh->bcink", qc, picked, preferred_element_type=jnp.float32) * scale
-        lc = jnp.where(idx.reshape(b, nc, window, 1, -1) >= 0, lc, NEG_INF)
-        mx = jnp.maximum(mx, lc.max(-1, keepdims=True))
-    mx = jax.lax.stop_gradient(mx)
-    pw = jnp.exp(lw - mx)
-    den = pw.sum(-1) + jnp.exp(sink - mx)[..., 0]
-    out = jnp.einsum("bcinj,bcjh->bcinh", pw.astype(dt), band, preferred_element_type=jnp.float32)
-    if compressed_kv is not None:
-        pc = jnp.exp(lc - mx)
-        den = den + pc.sum(-1)
-        out = out + jnp.einsum("bcink,bcikh->bcinh", pc.astype(dt), picked, preferred_element_type=jnp.float32)
-    out = out / den[..., None]
+    kloc = (jnp.arange(nc)[:, None] - 1) * window + jnp.arange(2 * window)[None]  # [c, 2W] chunk-local
+    band_mask = _band_mask(nc, window)[None] & (kloc[None, :, None, :] >= floor[:, None, None, None])
+    parts = [(_logits("bcinh,bcjh->bcinj", qc, band, scale, band_mask[:, :, :, None, :]),
+              lambda p: jnp.einsum("bcinj,bcjh->bcinh", p, band, preferred_element_type=jnp.float32))]
+    if prefix_kv is not None:
+        qpos = start[:, None] + jnp.arange(nc * window)[None]  # [B, S']
+        kp = prefix_pos[:, None, :]
+        mask = (kp >= 0) & (kp > qpos[..., None] - window) & (kp >= (floor + start)[:, None, None])
+        mask = mask.reshape(b, nc, window, 1, -1)
+        parts.append((_logits("bcinh,bph->bcinp", qc, prefix_kv, scale, mask),
+                      lambda p: jnp.einsum("bcinp,bph->bcinh", p, prefix_kv, preferred_element_type=jnp.float32)))
+    if topk is not None:
+        if picked is None:
+            picked = jax.vmap(lambda kv_, i: kv_[jnp.maximum(i, 0)])(compressed_kv, topk)  # [B, S, K, H]
+        pc = _pad_seq(picked, nc * window).reshape(b, nc, window, -1, h)
+        mask = (_pad_seq(topk, nc * window, value=-1) >= 0).reshape(b, nc, window, 1, -1)
+        parts.append((_logits("bcinh,bcikh->bcink", qc, pc, scale, mask),
+                      lambda p: jnp.einsum("bcink,bcikh->bcinh", p, pc, preferred_element_type=jnp.float32)))
+    out = _softmax_with_sink(parts, sink, dt)
     return out.reshape(b, nc * window, n, h)[:, :s].astype(dt)
+
+
+def _logits(spec: str, q: jax.Array, k: jax.Array, scale: float, mask: jax.Array) -> jax.Array:
+    logits = jnp.einsum(spec, q, k.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+    return jnp.where(mask, logits, NEG_INF)
+
+
+def _softmax_with_sink(parts, sink: jax.Array, dtype) -> jax.Array:
+    """One softmax over every part's keys plus the sink logit, which joins only the denominator."""
+    sink = sink.astype(jnp.float32)[:, None]  # [N, 1]
+    mx = sink
+    for logits, _ in parts:
+        mx = jnp.maximum(mx, logits.max(-1, keepdims=True))
+    mx = jax.lax.stop_gradient(mx)
+    den = jnp.exp(sink - mx)[..., 0]
+    out = 0.0
+    for logits, pv in parts:
+        p = jnp.exp(logits - mx)
+        den = den + p.sum(-1)
+        out = out + pv(p.astype(dtype))
+    return out / den[..., None]
 
 
 def dense_attention(

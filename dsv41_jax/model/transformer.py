@@ -24,7 +24,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, n_experts: int, k: int, rngs: nnx.Rngs):
         dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        kw = dict(dtype=dt, param_dtype=pdt, rngs=rngs)
+        kw = dict(dtype=dt, param_dtype=pdt, rngs=rngs, native=cfg.weight_format == "native")
         if spec.engram:
             rows = cfg.engram.num_embeddings[cfg.engram.layer_ids.index(spec.layer)]
             self.engram = Engram(cfg.engram, rows, cfg.dim, cfg.mhc.hc_mult, cfg.norm_eps, **kw)
@@ -38,15 +38,25 @@ class Block(nnx.Module):
 
     def __call__(self, x: Float[Array, "B S M D"], pre: Float[Array, "B S M"], shared: Shared,
                  is_image: Bool[Array, "B S"] | None):
+        def attend(u):
+            return self.attn(u, shared)
+
+        return self.run(x, pre, attend, is_image)
+
+    def run(self, x: Float[Array, "B S M D"], pre: Float[Array, "B S M"], attend, is_image: Bool[Array, "B S"] | None):
+        """The block with its attention given as ``attend(u) -> (y, state)``; returns ``(x, pre, state, routing)``.
+
+        Training calls attention on a whole sequence; the engine passes a cache-reading step instead.
+        """
         a_pre, a_post, a_comb = hc_mixes(x, self.hc_attn_fn[...], self.hc_attn_base[...],
                                          self.hc_attn_scale[...], self.mhc, self.norm_eps)
-        y, shared = self.attn(self.attn_norm(collapse(x, pre)), shared)  # pre from the previous site
+        y, state = attend(self.attn_norm(collapse(x, pre)))  # pre from the previous site
         x = expand(y, x, a_post, a_comb)
         f_pre, f_post, f_comb = hc_mixes(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...],
                                          self.mhc, self.norm_eps)
         y, routing = self.ffn(self.ffn_norm(collapse(x, a_pre)), is_image)
         x = expand(y, x, f_post, f_comb)
-        return x, f_pre, shared, routing
+        return x, f_pre, state, routing
 
 
 class Embedding(nnx.Module):

@@ -56,3 +56,19 @@ def test_streams_and_caches_layer_by_layer(golden):
                 "b1_compressed_kv_6", "b1_index_k_2", "b1_index_k_4", "b1_index_k_6"):
         e = row_rel_l2(ours[key], ref[key])
         assert np.median(e) < 1e-5 and e.max() < 1e-3, (key, np.median(e), e.max())
+
+
+def test_bf16_activations_within_the_references_own_bf16_spread(golden_dir):
+    """bf16 activations move the tiny model's logits by about as much as the reference's own bf16 numerics.
+
+    The golden README (§7) measures the reference's native bf16/FP8 run against its fp32 run at a prefill
+    median row error of 0.26 and argmax agreement 0.64: bf16 roundings feed the QDQ and top-k decisions of
+    this tiny random model chaotically. Our bf16 path must sit inside that spread, against both references.
+    """
+    model, hasher = model_from_hf(golden_dir / "tiny_hf", dtype="bfloat16")
+    ids = np.load(golden_dir / "inputs.npz")["batch2_ids"]
+    ours = prefill_outputs(model, hasher, ids, "batch2")["batch2_prefill_logits"]
+    for ref_file in ("ref_fp32.npz", "ref_native.npz"):
+        ref = np.load(golden_dir / ref_file)["batch2_prefill_logits"]
+        err = row_rel_l2(ours, ref)
+        assert np.median(err) < 0.3 and (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.6, (ref_file, np.median(err))

@@ -1,0 +1,149 @@
+"""Inference caches, stored packed exactly as the spec says (spec attention §7.4, §7.5, §8).
+
+Per KV-source layer: main KV as E2M1 nibbles (low nibble = even channel) + E4M3 scales per 16, index keys
+as MXFP4 (nibbles + E8M0 per 32), and for ratio-2 sources the fp32 compressor carry of the open group.
+Per layer: a ``window``-slot SWA ring in FP8 E4M3 + UE8M0 per 32 (slot = position mod window).
+Everything is allocated from ``max_seq_len`` and the batch; nothing is allocated per token.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from dsv41_jax import quant
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.topology import topology
+
+
+class SourceCache(NamedTuple):
+    """Global (compressed) KV of one KV-source layer: entry t covers positions [t·m, t·m + m)."""
+
+    kv_codes: Array  # uint8 [B, T, H/2]
+    kv_scales: Array  # float8_e4m3fn [B, T, H/16]
+    ik_codes: Array  # uint8 [B, T, I/2]
+    ik_exps: Array  # uint8 [B, T, I/32]
+    carry_c: Array  # fp32 [B, H]: c_t of the open group's first token (ratio 2; [B, 0] for ratio 1)
+    carry_z: Array  # fp32 [B, H]: its gate logits
+
+
+class RingCache(NamedTuple):
+    """One layer's SWA window: slot j holds the newest position ≡ j (mod window)."""
+
+    values: Array  # float8_e4m3fn [B, W, H]
+    exps: Array  # uint8 [B, W, H/32]
+
+
+class Cache(NamedTuple):
+    lengths: Int[Array, "B"]  # tokens already in the cache per sequence
+    rings: tuple[RingCache, ...]  # one per backbone layer
+    sources: tuple[SourceCache, ...]  # one per KV source, in kv_source_layers order
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_seq_len: int) -> Cache:
+    a = cfg.attention
+    h, i, w = a.head_dim, a.index_head_dim, a.window_size
+    for s in a.kv_source_layers:
+        if max_seq_len % a.compress_ratios[s]:
+            raise ValueError(f"max_seq_len {max_seq_len} must be a multiple of every compress ratio")
+    rings = tuple(RingCache(jnp.zeros((batch, w, h), jnp.float8_e4m3fn), jnp.zeros((batch, w, h // 32), jnp.uint8))
+                  for _ in range(cfg.n_layers))
+    sources = []
+    for s in a.kv_source_layers:
+        m = a.compress_ratios[s]
+        t = max_seq_len // m
+        carry = h if m > 1 else 0
+        sources.append(SourceCache(
+            jnp.zeros((batch, t, h // 2), jnp.uint8), jnp.zeros((batch, t, h // 16), jnp.float8_e4m3fn),
+            jnp.zeros((batch, t, i // 2), jnp.uint8), jnp.zeros((batch, t, i // 32), jnp.uint8),
+            jnp.zeros((batch, carry), jnp.float32), jnp.zeros((batch, carry), jnp.float32)))
+    return Cache(jnp.zeros((batch,), jnp.int32), rings, tuple(sources))
+
+
+def source_index(cfg: ModelConfig, layer: int) -> int:
+    return cfg.attention.kv_source_layers.index(layer)
+
+
+# ----------------------------------------------------------------------------------------------------
+# reads and writes (packing happens here; the model sees QDQ'd values, bit-identical to the fake quant)
+
+
+def write_rows(buf: Array, rows: Array, index: Int[Array, "B S"]) -> Array:
+    """buf [B, T, ...] with rows [B, S, ...] written at ``index`` (out-of-range index = not written)."""
+    return jax.vmap(lambda b, r, i: b.at[i].set(r, mode="drop"))(buf, rows, index)
+
+
+def gather_rows(buf: Array, index: Int[Array, "B S K"]) -> Array:
+    """buf [B, T, ...] read at ``index`` [B, S, K] (−1 reads row 0; callers mask)."""
+    return jax.vmap(lambda b, i: b[jnp.maximum(i, 0)])(buf, index)
+
+
+def write_source(src: SourceCache, main_kv: Array, index_k: Array, index: Int[Array, "B S"]) -> SourceCache:
+    kc, ks = quant.pack_nvfp4(main_kv)
+    ic, ie = quant.pack_mxfp4(index_k)
+    return src._replace(kv_codes=write_rows(src.kv_codes, kc, index), kv_scales=write_rows(src.kv_scales, ks, index),
+                        ik_codes=write_rows(src.ik_codes, ic, index), ik_exps=write_rows(src.ik_exps, ie, index))
+
+
+def read_main_kv(src: SourceCache, index: Int[Array, "B S K"], dtype) -> Array:
+    """Dequantised main-KV entries [B, S, K, H] at ``index`` (only the picked rows are unpacked)."""
+    return quant.unpack_nvfp4(gather_rows(src.kv_codes, index), gather_rows(src.kv_scales, index), dtype)
+
+
+def read_index_keys(src: SourceCache, dtype) -> Array:
+    """All index keys [B, T, I] (the candidate source scans the whole visible range)."""
+    return quant.unpack_mxfp4(src.ik_codes, src.ik_exps, dtype)
+
+
+def read_index_keys_at(src: SourceCache, index: Int[Array, "B S K"], dtype) -> Array:
+    return quant.unpack_mxfp4(gather_rows(src.ik_codes, index), gather_rows(src.ik_exps, index), dtype)
+
+
+def write_ring(ring: RingCache, kv: Array, pos: Int[Array, "B S"], write: Array) -> RingCache:
+    """Write the rows flagged in ``write`` at slot ``pos mod W`` (callers flag at most W rows per sequence)."""
+    w = ring.values.shape[1]
+    v, e = quant.pack_fp8_ue8m0(kv)
+    slot = jnp.where(write, pos % w, w)
+    return RingCache(write_rows(ring.values, v, slot), write_rows(ring.exps, e, slot))
+
+
+def read_ring(ring: RingCache, dtype) -> Array:
+    return quant.unpack_fp8_ue8m0(ring.values, ring.exps, dtype)
+
+
+def ring_positions(lengths: Int[Array, "B"], window: int) -> Int[Array, "B W"]:
+    """Absolute position held by each ring slot before a chunk that starts at ``lengths`` (−1 = empty)."""
+    last = lengths[:, None] - 1
+    pos = last - jnp.mod(last - jnp.arange(window)[None, :], window)
+    return jnp.where(pos >= 0, pos, -1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# byte ledger (spec attention §7.5), from the cache arrays themselves
+
+
+def _nbytes(x) -> int:
+    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
+def ledger(cfg: ModelConfig, max_seq_len: int = 8192) -> dict[str, float]:
+    """Bytes per token of global KV, per-sequence SWA and carry bytes, computed with ``eval_shape``."""
+    cache = jax.eval_shape(lambda: init_cache(cfg, 1, max_seq_len))
+    a = cfg.attention
+    per_token = {}
+    for layer, src in zip(a.kv_source_layers, cache.sources, strict=True):
+        entry = sum(_nbytes(x) for x in src[:4]) / src.kv_codes.shape[1]
+        per_token[layer] = entry / a.compress_ratios[layer]
+    swa = sum(_nbytes(r.values) + _nbytes(r.exps) for r in cache.rings)
+    carry = sum(_nbytes(s.carry_c) + _nbytes(s.carry_z) for s in cache.sources)
+    specs = topology(cfg)
+    return {"global_kv_bytes_per_token": sum(per_token.values()),
+            **{f"global_kv_bytes_per_token_layer_{k}": v for k, v in per_token.items()},
+            "swa_bytes_per_sequence": swa, "compressor_carry_bytes_per_sequence": carry,
+            "encoder_swa_bytes_per_sequence": sum(_nbytes(r.values) + _nbytes(r.exps)
+                                                  for r, s in zip(cache.rings, specs, strict=True)
+                                                  if s.part == "encoder")}

@@ -1,0 +1,245 @@
+"""What a conversion writes: the source checked against the config's inventory, one ``Output`` per array,
+and the values of any band of rows of an output (spec model §2.2, §2.4, §2.6).
+
+Parameter names are the checkpoint's own (spec model §2.8), HF aliases normalised (§2.6 step 3), routed
+experts stacked on a leading axis [E, out, in]. Weights modes: ``fp32`` / ``bf16`` dequantise FP8 and FP4
+(exact in both dtypes) and keep F32 tensors in F32; ``native`` keeps FP8 weights, packed FP4 experts and
+their E8M0 scales (as uint8 bytes) as stored, except ``attn.wo_a``, which the reference dequantises to
+bf16 at load (spec model §2.5, §2.6 step 6) and so do we: the model applies it as a grouped einsum.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from dsv41_jax import config as C
+from dsv41_jax.checkpoint import hf
+from dsv41_jax.checkpoint.inventory import TensorSpec, expected_inventory
+from dsv41_jax.checkpoint.safetensors import SafetensorsError, ShardedCheckpoint
+
+__all__ = ["MODES", "ConvertError", "Output", "bands", "chunk_shape", "plan_outputs", "produce", "validate_source"]
+
+MODES = ("native", "bf16", "fp32")
+_EXPERT = re.compile(r"^(?P<prefix>.*\.ffn\.experts)\.(?P<e>\d+)\.(?P<w>w\d)\.(?P<part>weight|scale)$")
+_U8, _F8 = np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn)
+_BF16, _F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
+
+
+class ConvertError(ValueError):
+    """The source checkpoint is incomplete or disagrees with its config, or the output is in the way."""
+
+
+@dataclass(frozen=True)
+class Output:
+    """One array of the Orbax tree and how to produce it from the source tensors."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    decode: str  # "raw" (copy / exact cast), "fp8" (E4M3 x E8M0 block) or "fp4" (packed E2M1 x E8M0)
+    sources: tuple[str, ...]  # source (index) names; one per expert when stacked
+    scales: tuple[str, ...] = ()  # their scale tensors, for fp8 / fp4
+    block: tuple[int, int] = (1, 1)  # scale block (rows, columns)
+    src_bytes: int = 0  # source bytes consumed, for progress
+    stacked: bool = False  # routed experts: axis 0 is the expert, source i feeds slot i
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _found(ckpt: ShardedCheckpoint) -> dict[str, str]:
+    """{canonical name: index name} of the source, DSpark's embed/head copies dropped (spec model §2.6)."""
+    found: dict[str, str] = {}
+    for name in ckpt.keys():
+        c = hf.canonical_name(name)
+        if hf._DROPPED.match(c):
+            continue
+        if c in found:
+            raise ConvertError(f"{ckpt.dir}: {found[c]!r} and {name!r} both mean {c!r}; the index mixes name schemes")
+        found[c] = name
+    return found
+
+
+def _listing(title: str, items: list[str], limit: int = 20) -> list[str]:
+    if not items:
+        return []
+    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
+    return [f"{title} ({len(items)}): " + ", ".join(items[:limit]) + more]
+
+
+def validate_source(ckpt: ShardedCheckpoint, cfg: C.ModelConfig) -> dict[str, str]:
+    """Check every tensor's name, dtype and shape against the config's inventory (headers only).
+
+    Returns {canonical name: index name}. Raises ConvertError listing every missing, unexpected and
+    mismatched tensor by name, so a partial download or a wrong config.json is found before any data moves.
+    """
+    try:
+        ckpt.validate()  # every shard present, index and headers agree (truncation shows up here)
+    except SafetensorsError as e:
+        raise ConvertError(str(e)) from e
+    found = _found(ckpt)
+    expected = {t.name: t for t in expected_inventory(cfg)}
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(found[c] for c in set(found) - set(expected))
+    wrong = []
+    for c in sorted(set(found) & set(expected)):
+        info, want = ckpt.info(found[c]), expected[c]
+        if (info.dtype, tuple(info.shape)) != (want.dtype, want.shape):
+            wrong.append(f"{found[c]} is {info.dtype}{list(info.shape)}, config implies {want.dtype}{list(want.shape)}")
+    lines = _listing("missing", missing) + _listing("unexpected", unexpected) + _listing("dtype/shape", wrong)
+    if lines:
+        raise ConvertError(
+            f"{ckpt.dir}: the checkpoint does not match its config.json ({len(missing) + len(unexpected) + len(wrong)}"
+            " tensor(s)):\n  " + "\n  ".join(lines) + "\nA partial download shows as missing tensors; a config.json "
+            "of another model size as dtype/shape mismatches; a renamed tensor as missing + unexpected.")
+    total = ckpt.metadata.get("total_size")
+    have = sum(ckpt.info(n).nbytes for n in ckpt.keys())
+    if total is not None and int(total) != have:
+        raise ConvertError(f"{ckpt.dir}: index metadata.total_size is {int(total):,} bytes but the shards hold "
+                           f"{have:,}; the index belongs to another download")
+    return found
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def _pairs(inventory: list[TensorSpec]) -> Iterator[tuple[str, list[TensorSpec], list[TensorSpec], bool]]:
+    """(our name, weights, scales): quantised pairs joined, routed experts stacked in expert order."""
+    by_name = {t.name: t for t in inventory}
+    experts: dict[str, dict[int, tuple[TensorSpec, TensorSpec]]] = {}
+    for t in inventory:
+        if t.name.endswith(".scale"):
+            continue
+        m = _EXPERT.match(t.name)
+        scale = by_name.get(t.name[: -len("weight")] + "scale") if t.name.endswith(".weight") else None
+        if m:
+            experts.setdefault(f"{m['prefix']}.{m['w']}.weight", {})[int(m["e"])] = (t, scale)
+        else:
+            yield t.name, [t], [scale] if scale else [], False
+    for name, per in experts.items():
+        ws = [per[e] for e in sorted(per)]
+        yield name, [w for w, _ in ws], [s for _, s in ws], True
+
+
+def _float_dtype(stored: str, mode: str) -> np.dtype:
+    if stored == "F32" or mode == "fp32":
+        return _F32  # F32 tensors (mHC, sinks, router biases) stay F32 in every mode (spec model §2.5)
+    return _BF16
+
+
+def _outputs_for(name: str, ws: list[TensorSpec], ss: list[TensorSpec], stacked: bool, mode: str,
+                 src: Mapping[str, str]) -> list[Output]:
+    w = ws[0]
+    lead = (len(ws),) if stacked else ()
+    srcs = tuple(src[t.name] for t in ws)
+    bytes_w = sum(t.nbytes for t in ws)
+    if not ss:
+        return [Output(name, lead + w.shape, _float_dtype(w.dtype, mode), "raw", srcs, src_bytes=bytes_w)]
+    scales = tuple(src[t.name] for t in ss)
+    bytes_s = sum(t.nbytes for t in ss)
+    fp4 = w.dtype == "I8"
+    keep = mode == "native" and not name.endswith("attn.wo_a.weight")
+    if keep:  # stored bytes as they are; E8M0 scales and FP4 codes as uint8
+        scale_name = name[: -len("weight")] + "scale"
+        return [Output(name, lead + w.shape, _U8 if fp4 else _F8, "raw", srcs, src_bytes=bytes_w, stacked=stacked),
+                Output(scale_name, lead + ss[0].shape, _U8, "raw", scales, src_bytes=bytes_s, stacked=stacked)]
+    shape = (w.shape[0], 2 * w.shape[1]) if fp4 else w.shape
+    block = (1, 32) if fp4 or ".engram.embed." in name else (32, 32)  # spec model §2.2
+    dtype = _BF16 if mode == "native" else _float_dtype("BF16", mode)
+    return [Output(name, lead + shape, dtype, "fp4" if fp4 else "fp8", srcs, scales, block, bytes_w + bytes_s,
+                   stacked)]
+
+
+def plan_outputs(ckpt: ShardedCheckpoint, cfg: C.ModelConfig, mode: str) -> list[Output]:
+    """Every output array of a conversion, after validating the source against ``cfg``."""
+    if mode not in MODES:
+        raise ConvertError(f"--weights {mode!r}: choose one of {', '.join(MODES)}")
+    src = validate_source(ckpt, cfg)
+    outs = [o for name, ws, ss, stacked in _pairs(expected_inventory(cfg))
+            for o in _outputs_for(name, ws, ss, stacked, mode, src)]
+    return sorted(outs, key=lambda o: (ckpt.shard_of(o.sources[0]), o.name))  # shard by shard: file locality
+
+
+# ----------------------------------------------------------------------------- producing bands
+
+
+def _read(ckpt: ShardedCheckpoint, name: str, r0: int, r1: int) -> np.ndarray:
+    return ckpt.read_rows(name, r0, r1)
+
+
+def _dequant(out: Output, ckpt: ShardedCheckpoint, i: int, r0: int, r1: int) -> np.ndarray:
+    """Rows [r0, r1) of source ``i``, dequantised in f32 (spec model §2.2; exact, so any cast is exact)."""
+    br, bc = out.block
+    raw = _read(ckpt, out.sources[i], r0, r1)
+    vals = hf._decode_fp4(raw) if out.decode == "fp4" else raw.astype(np.float32)
+    s = hf._scale_f32(_read(ckpt, out.scales[i], r0 // br, -(-r1 // br)))
+    s = s[np.arange(r0, r1) // br - r0 // br]  # one scale row per value row
+    cols = vals.shape[1]
+    if cols % bc == 0 and s.shape[1] == cols // bc:
+        vals.reshape(len(vals), s.shape[1], bc)[...] *= s[:, :, None]
+    else:  # ragged last block
+        vals *= np.repeat(s, bc, axis=1)[:, :cols]
+    return vals
+
+
+def _rows(out: Output, ckpt: ShardedCheckpoint, i: int, r0: int, r1: int) -> np.ndarray:
+    if out.decode == "raw":
+        a = _read(ckpt, out.sources[i], r0, r1)
+        return a.view(out.dtype) if a.dtype.itemsize == 1 == out.dtype.itemsize else a.astype(out.dtype)
+    return _dequant(out, ckpt, i, r0, r1).astype(out.dtype)
+
+
+def produce(out: Output, ckpt: ShardedCheckpoint, region: tuple[slice, ...]) -> np.ndarray:
+    """The values of ``out[region]``; ``region`` covers leading dims only (the rest is whole)."""
+    inner = out.shape[1:] if out.stacked else out.shape
+    if out.stacked:
+        experts = region[0] if region else slice(0, out.shape[0])
+        rows = region[1] if len(region) > 1 else slice(0, inner[0])
+        return np.stack([_rows(out, ckpt, e, rows.start, rows.stop) for e in range(experts.start, experts.stop)])
+    rows = region[0] if region else slice(0, inner[0])
+    if len(inner) == 1:
+        return _rows(out, ckpt, 0, 0, inner[0])[rows]
+    return _rows(out, ckpt, 0, rows.start, rows.stop)
+
+
+def chunk_shape(shape: tuple[int, ...], itemsize: int, budget: int, block: tuple[int, ...] | None = None
+                ) -> tuple[int, ...]:
+    """zarr chunk: the mesh shard ``block`` (default: whole), leading dims cut until a band of full trailing
+    dims fits ``budget`` bytes; row counts are multiples of 32 (FP8 scale blocks) where possible."""
+    chunk = list(block or shape)
+    for d in range(len(shape) - 1):  # the last dim is never cut: a row is the smallest band
+        trailing = math.prod(shape[d + 1:]) * itemsize
+        if chunk[d] * trailing <= budget:
+            break
+        fit = budget // trailing
+        if fit >= 1:
+            chunk[d] = min(chunk[d], fit // 32 * 32 if fit >= 32 else fit)
+            break
+        chunk[d] = 1
+    return tuple(chunk)
+
+
+def bands(shape: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[tuple[slice, ...]]:
+    """Regions over leading dims, each a whole number of chunks, trailing dims whole."""
+    cut = [d for d in range(len(shape) - 1) if chunks[d] < shape[d]]
+    depth = cut[-1] + 1 if cut else 0
+    grids = [range(0, shape[d], chunks[d]) for d in range(depth)]
+
+    def rec(d: int, acc: tuple[slice, ...]) -> Iterator[tuple[slice, ...]]:
+        if d == depth:
+            yield acc
+            return
+        for start in grids[d]:
+            yield from rec(d + 1, acc + (slice(start, min(start + chunks[d], shape[d])),))
+
+    yield from rec(0, ())

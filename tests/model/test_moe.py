@@ -1,0 +1,191 @@
+"""MoE router, clamped-SwiGLU experts and the shared expert (spec model §5.1–§5.2).
+
+Oracles: float64 numpy per token — sqrtsoftplus scores, an explicit sort for the biased top-k, and a
+python loop over each token's selected experts.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.model.moe import MoE, routed_experts
+
+DIM = 64
+
+
+def make_moe(tiny_cfg, seed=0, n_experts=8, k=2):
+    moe = MoE(tiny_cfg.moe, DIM, n_experts, k, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed + 100)
+    # zero biases at init would hide a swapped bias / bias_vl or a bias leaking into the weights
+    moe.gate.bias[...] = jnp.asarray(rng.normal(0, 0.3, n_experts), jnp.float32)
+    moe.gate.bias_vl[...] = jnp.asarray(rng.normal(0, 0.3, n_experts), jnp.float32)
+    return moe
+
+
+def to_np(v):
+    return np.asarray(v[...], np.float64)
+
+
+def scores_oracle(x, w):
+    z = np.asarray(x, np.float64) @ w.T
+    return np.sqrt(np.log1p(np.exp(-np.abs(z))) + np.maximum(z, 0))  # sqrt(softplus(z))
+
+
+def route_oracle(x, w, bias, bias_vl, is_image, k, route_scale):
+    """Per token: top-k of s + b (b = bias_vl on image tokens), weights from the unbiased s."""
+    s = scores_oracle(x, w)  # [B, S, E]
+    b_, s_, e_ = s.shape
+    experts = np.zeros((b_, s_, k), np.int64)
+    weights = np.zeros((b_, s_, k))
+    for bi in range(b_):
+        for si in range(s_):
+            bias_t = bias_vl if (is_image is not None and is_image[bi, si]) else bias
+            biased = s[bi, si] + bias_t
+            order = sorted(range(e_), key=lambda e: (-biased[e], e))[:k]
+            experts[bi, si] = order
+            chosen = s[bi, si, order]
+            weights[bi, si] = chosen / (chosen.sum() + 1e-20) * route_scale
+    return experts, weights, s
+
+
+def silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def swiglu_oracle(x, w1, w3, w2, limit, route_w=1.0):
+    g = w1 @ x
+    u = w3 @ x
+    u = np.clip(u, -limit, limit)  # up branch: both sides
+    g = np.minimum(g, limit)  # gate branch: from above only
+    return w2 @ (silu(g) * u * route_w)
+
+
+def routed_oracle(x, experts, weights, w1, w3, w2, limit):
+    out = np.zeros((x.shape[0], w2.shape[1]))
+    for t in range(x.shape[0]):
+        for kk in range(experts.shape[1]):
+            e = experts[t, kk]
+            out[t] += swiglu_oracle(x[t].astype(np.float64), w1[e], w3[e], w2[e], limit, weights[t, kk])
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# router
+
+
+def test_router_matches_oracle_and_sums_to_route_scale(tiny_cfg, rng):
+    moe = make_moe(tiny_cfg)
+    x = rng.normal(0, 2.0, (3, 11, DIM)).astype(np.float32)
+    is_image = rng.random((3, 11)) < 0.4
+    r = moe.gate(jnp.asarray(x), jnp.asarray(is_image))
+    experts, weights, scores = (np.asarray(v) for v in r)
+    we, ww, ws = route_oracle(x, to_np(moe.gate.weight), to_np(moe.gate.bias), to_np(moe.gate.bias_vl),
+                              is_image, 2, tiny_cfg.moe.route_scale)
+    np.testing.assert_allclose(scores, ws, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(experts, we)
+    np.testing.assert_allclose(weights, ww, rtol=1e-5, atol=1e-7)
+    assert tiny_cfg.moe.route_scale == 1.5
+    np.testing.assert_allclose(weights.sum(-1), 1.5, rtol=1e-6, atol=0)
+
+
+def test_router_bias_flips_selection_but_not_weights(tiny_cfg, rng):
+    moe = make_moe(tiny_cfg)
+    x = rng.normal(0, 1.0, (1, 6, DIM)).astype(np.float32)
+    s = scores_oracle(x, to_np(moe.gate.weight))[0]  # [S, E]
+    # push the expert with the lowest mean score above everything: selection must change
+    low = int(np.argmin(s.mean(0)))
+    bias = np.zeros(8, np.float32)
+    bias[low] = 50.0
+    moe.gate.bias[...] = jnp.asarray(bias)
+    experts, weights, _ = (np.asarray(v) for v in moe.gate(jnp.asarray(x), None))
+    unbiased_top2 = np.argsort(-s, axis=-1, kind="stable")[:, :2]
+    assert (unbiased_top2 != low).all()  # without the bias it is never picked ...
+    assert (experts[0, :, 0] == low).all()  # ... with it, it always comes first
+    other = experts[0, :, 1]
+    np.testing.assert_array_equal(other, unbiased_top2[:, 0])
+    t = np.arange(6)
+    want = np.stack([s[t, low], s[t, other]], -1)
+    want = want / want.sum(-1, keepdims=True) * 1.5  # unbiased scores, not s + 50
+    np.testing.assert_allclose(weights[0], want, rtol=1e-5, atol=1e-7)
+    assert weights[0, :, 0].max() < 1.5 * 0.99  # a biased weight would be ≈ 1.5·50/(50+s)
+
+
+def test_bias_vl_exactly_at_image_positions(tiny_cfg, rng):
+    moe = make_moe(tiny_cfg)
+    bias, bias_vl = np.zeros(8, np.float32), np.zeros(8, np.float32)
+    bias[5], bias_vl[3] = 100.0, 100.0
+    moe.gate.bias[...] = jnp.asarray(bias)
+    moe.gate.bias_vl[...] = jnp.asarray(bias_vl)
+    x = rng.normal(0, 1.0, (2, 13, DIM)).astype(np.float32)
+    is_image = rng.random((2, 13)) < 0.5
+    is_image[0, 0], is_image[0, 1] = True, False
+    experts = np.asarray(moe.gate(jnp.asarray(x), jnp.asarray(is_image)).experts)
+    np.testing.assert_array_equal(experts[..., 0], np.where(is_image, 3, 5))
+    # no image mask means every token is text
+    text = np.asarray(moe.gate(jnp.asarray(x), None).experts)
+    np.testing.assert_array_equal(text[..., 0], 5)
+    np.testing.assert_array_equal(text, np.asarray(moe.gate(jnp.asarray(x), jnp.zeros((2, 13), bool)).experts))
+
+
+# --------------------------------------------------------------------------------------------------
+# experts
+
+
+def test_routed_experts_equal_per_token_loop(tiny_cfg, rng):
+    moe = make_moe(tiny_cfg)
+    t, k, n = 37, 2, 8
+    x = rng.normal(0, 8.0, (t, DIM)).astype(np.float32)  # large enough for the clamp to bind
+    experts = np.stack([rng.choice(n - 1, size=k, replace=False) for _ in range(t)])  # expert 7 gets no token
+    weights = rng.uniform(0.1, 1.4, (t, k)).astype(np.float32)
+    w1, w3, w2 = (to_np(m.weight) for m in (moe.experts.w1, moe.experts.w3, moe.experts.w2))
+    limit = tiny_cfg.moe.swiglu_limit
+    assert limit == 10.0
+
+    g = np.einsum("eid,td->tei", w1, x)[np.arange(t)[:, None], experts]
+    u = np.einsum("eid,td->tei", w3, x)[np.arange(t)[:, None], experts]
+    assert (u > limit).any() and (u < -limit).any(), "up clamp must bind on both sides"
+    assert (g > limit).any() and (g < -limit).any(), "gate must exceed the limit on both sides"
+
+    fun = nnx.jit(lambda m, x, e, w: routed_experts(x, e, w, m, limit))
+    got = np.asarray(fun(moe.experts, jnp.asarray(x), jnp.asarray(experts, jnp.int32), jnp.asarray(weights)))
+    want = routed_oracle(x, experts, weights.astype(np.float64), w1, w3, w2, limit)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+    # the tolerance above separates the clamp conventions: clamping the gate from below as well changes
+    # silu(g) only for g < −10 (|silu(−10)| ≈ 4.5e-4), small but still outside it; no up clamp is far off
+    def variant(gate_lo, up_lim):
+        out = np.zeros_like(want)
+        for tt in range(t):
+            for kk in range(k):
+                e = experts[tt, kk]
+                gg = np.clip(w1[e] @ x[tt], gate_lo, limit)
+                uu = np.clip(w3[e] @ x[tt], -up_lim, up_lim)
+                out[tt] += w2[e] @ (silu(gg) * uu * weights[tt, kk])
+        return out
+    atol = 1e-5 * np.abs(want).max()
+    assert not np.allclose(variant(-limit, limit), want, rtol=1e-5, atol=atol)
+    assert not np.allclose(variant(-np.inf, np.inf), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
+def test_moe_equals_routed_plus_shared(tiny_cfg, rng):
+    moe = make_moe(tiny_cfg, seed=3)
+    x = rng.normal(0, 6.0, (2, 9, DIM)).astype(np.float32)
+    is_image = rng.random((2, 9)) < 0.3
+    fun = nnx.jit(lambda m, x, im: m(x, im))
+    y, routing = fun(moe, jnp.asarray(x), jnp.asarray(is_image))
+    y = np.asarray(y)
+
+    limit = tiny_cfg.moe.swiglu_limit
+    we, ww, _ = route_oracle(x, to_np(moe.gate.weight), to_np(moe.gate.bias), to_np(moe.gate.bias_vl), is_image, 2,
+                             1.5)
+    np.testing.assert_array_equal(np.asarray(routing.experts), we)
+    flat = x.reshape(-1, DIM)
+    w1, w3, w2 = (to_np(m.weight) for m in (moe.experts.w1, moe.experts.w3, moe.experts.w2))
+    routed = routed_oracle(flat, we.reshape(-1, 2), ww.reshape(-1, 2), w1, w3, w2, limit)
+    sh = moe.shared_experts
+    shared = np.stack([swiglu_oracle(v.astype(np.float64), to_np(sh.w1.weight), to_np(sh.w3.weight),
+                                     to_np(sh.w2.weight), limit) for v in flat])
+    want = (routed + shared).reshape(2, 9, DIM)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # the shared expert's clamp binds too on this input
+    assert np.abs(flat.astype(np.float64) @ to_np(sh.w3.weight).T).max() > limit

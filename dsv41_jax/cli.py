@@ -104,6 +104,55 @@ def _cmd_make_fake_hf(args) -> int:
     return 0
 
 
+def _cmd_ledger(args) -> int:
+    """Cache bytes from the cache arrays themselves (abstract shapes; spec attention §7.5, §9.5)."""
+    from dsv41_jax.cache import ledger
+
+    cfg = resolve_config(args.config)
+    led = ledger(cfg)
+    for k, v in led.items():
+        print(f"{k:48s} {v:>14,.1f}")
+    per_token, swa = led["global_kv_bytes_per_token"], led["swa_bytes_per_sequence"]
+    v4_flash = 3514  # V4-Flash global KV bytes per token (spec attention §7.5 context)
+    print("\npersistent prefix cache for an N-token prefix (bounded replay keeps SWA state out of it):")
+    print(f"{'N':>9s} {'global KV only':>16s} {'+ SWA state':>16s} {'V4-Flash global':>16s} {'ratio':>7s}")
+    for n in (8192, 131072, 1048576):
+        print(f"{n:9d} {per_token * n:16,.0f} {per_token * n + swa:16,.0f} {v4_flash * n:16,.0f} "
+              f"{per_token / v4_flash:7.3f}")
+    return 0
+
+
+def _cmd_sample(args) -> int:
+    """Generate from text or token-id prompts, streaming tokens as each compiled block finishes."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from dsv41_jax.checkpoint.load import model_from_hf
+    from dsv41_jax.engine.sampling import Generator, SamplingConfig
+    from dsv41_jax.engram_device import device_engram
+
+    model, hasher = model_from_hf(args.hf_dir, dtype=args.dtype)
+    tok = Tokenizer.from_file(str(Path(args.hf_dir) / "tokenizer.json"))
+    if args.ids:
+        prompts = [[int(t) for t in p.split(",")] for p in args.ids]
+    else:
+        prompts = [[model.cfg.bos_token_id] + tok.encode(p, add_special_tokens=False).ids for p in args.prompt]
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              max_new_tokens=args.max_new_tokens, stop_tokens=(model.cfg.eos_token_id,),
+                              prefill_mode=args.prefill_mode, prefill_chunk=args.prefill_chunk)
+    gen = Generator(model, device_engram(hasher), len(prompts), args.max_seq_len, sampling)
+
+    def show(block):
+        for i, row in enumerate(block):
+            text = tok.decode([int(t) for t in row if t >= 0], skip_special_tokens=False)
+            if text:
+                print(f"[{i}] {text}", flush=True)
+
+    gen.generate(prompts, seed=args.seed, on_block=show)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +189,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-mb", type=float, default=64, help="target shard size")
     p.set_defaults(fn=_cmd_make_fake_hf)
+    p = sub.add_parser("ledger", help="KV-cache bytes per token and per sequence of a config")
+    p.add_argument("--config", default="v41_flash")
+    p.set_defaults(fn=_cmd_ledger)
+    p = sub.add_parser("sample", help="generate from a release-format checkpoint")
+    p.add_argument("--hf-dir", required=True)
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", action="append", help="text prompt (repeat for a batch)")
+    group.add_argument("--ids", action="append", help="comma-separated token ids (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-mode", default="exact", choices=["exact", "ced"])
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.set_defaults(fn=_cmd_sample)
     return parser
 
 

@@ -178,17 +178,23 @@ def _read(ckpt: ShardedCheckpoint, name: str, r0: int, r1: int) -> np.ndarray:
 
 
 def _dequant(out: Output, ckpt: ShardedCheckpoint, i: int, r0: int, r1: int) -> np.ndarray:
-    """Rows [r0, r1) of source ``i``, dequantised in f32 (spec model §2.2; exact, so any cast is exact)."""
+    """Rows [r0, r1) of source ``i``, dequantised in f32 (spec model §2.2).
+
+    A power-of-two scaling of an E4M3 / E2M1 value: exact in f32, and exact in bf16 too (3 mantissa bits
+    fit in 7) unless it falls below bf16's subnormal range. NaN scales (byte 255) give NaN, as in the
+    reference; a product past the f32 range gives inf.
+    """
     br, bc = out.block
     raw = _read(ckpt, out.sources[i], r0, r1)
     vals = hf._decode_fp4(raw) if out.decode == "fp4" else raw.astype(np.float32)
     s = hf._scale_f32(_read(ckpt, out.scales[i], r0 // br, -(-r1 // br)))
     s = s[np.arange(r0, r1) // br - r0 // br]  # one scale row per value row
     cols = vals.shape[1]
-    if cols % bc == 0 and s.shape[1] == cols // bc:
-        vals.reshape(len(vals), s.shape[1], bc)[...] *= s[:, :, None]
-    else:  # ragged last block
-        vals *= np.repeat(s, bc, axis=1)[:, :cols]
+    with np.errstate(over="ignore"):
+        if cols % bc == 0 and s.shape[1] == cols // bc:
+            vals.reshape(len(vals), s.shape[1], bc)[...] *= s[:, :, None]
+        else:  # ragged last block
+            vals *= np.repeat(s, bc, axis=1)[:, :cols]
     return vals
 
 
@@ -212,10 +218,22 @@ def produce(out: Output, ckpt: ShardedCheckpoint, region: tuple[slice, ...]) -> 
     return _rows(out, ckpt, 0, rows.start, rows.stop)
 
 
+def _rows_per_chunk(fit: int, block: int, sharded: bool) -> int:
+    """At most ``fit`` rows: a multiple of 32 (FP8 scale blocks) where possible; a divisor of the shard
+    extent ``block`` when the dimension is sharded, so that no chunk straddles two shards."""
+    fit = min(fit, block)
+    if not sharded:
+        return fit // 32 * 32 if fit >= 32 else fit
+    divisors = [k for k in range(1, fit + 1) if block % k == 0] if fit < 4096 else \
+        sorted({d for i in range(1, math.isqrt(block) + 1) if block % i == 0 for d in (i, block // i) if d <= fit})
+    aligned = [k for k in divisors if k % 32 == 0]
+    return (aligned or divisors)[-1]
+
+
 def chunk_shape(shape: tuple[int, ...], itemsize: int, budget: int, block: tuple[int, ...] | None = None
                 ) -> tuple[int, ...]:
-    """zarr chunk: the mesh shard ``block`` (default: whole), leading dims cut until a band of full trailing
-    dims fits ``budget`` bytes; row counts are multiples of 32 (FP8 scale blocks) where possible."""
+    """zarr chunk: the mesh shard ``block`` (default: the whole array), leading dims cut until a band of
+    full trailing dims fits ``budget`` bytes."""
     chunk = list(block or shape)
     for d in range(len(shape) - 1):  # the last dim is never cut: a row is the smallest band
         trailing = math.prod(shape[d + 1:]) * itemsize
@@ -223,7 +241,7 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, budget: int, block: tuple
             break
         fit = budget // trailing
         if fit >= 1:
-            chunk[d] = min(chunk[d], fit // 32 * 32 if fit >= 32 else fit)
+            chunk[d] = _rows_per_chunk(fit, chunk[d], chunk[d] < shape[d])
             break
         chunk[d] = 1
     return tuple(chunk)

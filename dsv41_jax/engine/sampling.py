@@ -1,8 +1,8 @@
 """Generation: chunked prefill, then a jit-compiled decode loop (no Python per token) with sampling.
 
 Engram row ids are hashed on the device (``engram_device``) so the loop never leaves the accelerator.
-Decoding runs in blocks of ``block`` steps inside one ``lax.while_loop``-free ``fori_loop`` per call; the
-host only sees each finished block (that is where tokens are streamed).
+Decoding runs ``block`` steps in one compiled ``fori_loop`` per call; the host only sees each finished
+block (that is where tokens are streamed).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class Generator:
 
     def __init__(self, model: Transformer, tables: DeviceEngram, batch: int, max_seq_len: int,
                  sampling: SamplingConfig):
-        self.cfg, self.tables, self.batch, self.max_seq_len, self.sampling = model.cfg, tables, batch, max_seq_len, sampling
+        self.cfg, self.tables, self.batch = model.cfg, tables, batch
+        self.max_seq_len, self.sampling = max_seq_len, sampling
         graphdef, state = nnx.split(model)
         self.state = state
         options = ChunkOptions()

@@ -28,7 +28,10 @@ class ChunkOptions(NamedTuple):
     # without narrowing, truncate the windows of layers ≥ this one at the last `window` rows (an exact
     # oracle of what CED computes on its kept rows)
     truncate_from: int | None = None
-    all_logits: bool = False  # logits of every row instead of each sequence's last valid row
+    all_logits: bool = False
+    # a CED prefill chunk that is not the last: layers from here on are skipped (their SWA state comes from
+    # the last chunk's narrowed rows) and no logits are produced
+    skip_from: int | None = None  # logits of every row instead of each sequence's last valid row
 
 
 def _context(cache: C.Cache, pos: Array, valid: Array, n_new: Array, window: int, replay_start: Array,
@@ -42,6 +45,12 @@ def _narrow(x: Array, n_new: Array, keep: int) -> Array:
     """The last ``keep`` valid rows of each sequence (rows before the first are clipped and marked invalid)."""
     idx = jnp.maximum(n_new[:, None] - keep + jnp.arange(keep)[None], 0)
     return jnp.take_along_axis(x, idx.reshape(*idx.shape, *([1] * (x.ndim - 2))), axis=1), idx
+
+
+def _global_kv_only(block, x, pre, ring, sources, ctx, source_ids):
+    """Write a KV source's global KV for every row without running the rest of its block."""
+    u = block.attn_norm(collapse(x, pre))
+    return attention_step(block.attn, u, ring, sources, StepShared(), ctx, source_ids)[2]
 
 
 def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"], engram_rows: Int[Array, "B S L C"],
@@ -69,10 +78,13 @@ def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"],
     rings, sources, shared = list(cache.rings), cache.sources, StepShared()
     ctx = _context(cache, pos, valid, n_new, w, replay_start, write_floor)
     for i, block in enumerate(model.layers):
+        if options.skip_from is not None and i >= options.skip_from:
+            if block.attn.spec.owns_compressor:  # the paper's cut: its compressor still sees every row
+                sources = _global_kv_only(block, x, pre, rings[i], sources, ctx, a.kv_source_layers)
+            break
         if options.ced_cut is not None and i == options.ced_cut and s > w:
             if block.attn.spec.owns_compressor:  # the paper's cut: its compressor still sees every row
-                u = block.attn_norm(collapse(x, pre))
-                sources = attention_step(block.attn, u, rings[i], sources, StepShared(), ctx, a.kv_source_layers)[2]
+                sources = _global_kv_only(block, x, pre, rings[i], sources, ctx, a.kv_source_layers)
             x, idx = _narrow(x, n_new, w)
             pre, _ = _narrow(pre, n_new, w)
             is_image = None if is_image is None else _narrow(is_image, n_new, w)[0]
@@ -95,10 +107,13 @@ def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"],
             return y, (ring, new_sources, new_shared)
 
         x, pre, (rings[i], sources, shared), _ = block.run(x, pre, attend, is_image)
+    new_cache = C.Cache(cache.lengths + n_new, tuple(rings), sources)
+    if options.skip_from is not None:
+        return None, new_cache
     out = model.norm(collapse(x, pre))
     if not options.all_logits:
         last = jnp.maximum(valid.sum(-1) - 1, 0)
         out = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
     logits = jnp.einsum("...d,vd->...v", out.astype(jnp.float32), model.head.weight[...].astype(jnp.float32),
                         precision="highest")
-    return logits, C.Cache(cache.lengths + n_new, tuple(rings), sources)
+    return logits, new_cache

@@ -1,0 +1,145 @@
+"""Decode and prefill timings of the inference engine on a config with the release's layer structure.
+
+Prints one JSON line per measurement and a table. Usage: python benchmarks/engine_bench.py [decode|prefill|parts]
+Sizes: the release's attention and indexer geometry (64 heads × 512, index 32 × 128, top-k 512, window 128,
+2048 candidate blocks of 8) and all 40 layers with their roles; a narrower residual (dim 2048) and fewer,
+smaller experts so that it fits one H200 in bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax import cache as C
+from dsv41_jax import config as Cfg
+from dsv41_jax.engine.step import ChunkOptions, forward_chunk
+from dsv41_jax.engram_hash import engram_primes
+from dsv41_jax.model.transformer import Transformer
+
+
+def bench_config() -> Cfg.ModelConfig:
+    base = Cfg.v41_flash()
+    e = dataclasses.replace(base.engram, vocab_size=4000)
+    e = dataclasses.replace(e, num_embeddings=tuple(int(x) for x in engram_primes(e).sum(axis=(1, 2))))
+    return base.replace(dim=2048, dtype="bfloat16", param_dtype="bfloat16", engram=e,
+                        moe=dataclasses.replace(base.moe, n_routed_experts=16, moe_inter_dim=1024))
+
+
+def timeit(fn, *args, reps=10):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)), out
+
+
+def build(cfg):
+    return nnx.split(jax.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))())
+
+
+def decode(graphdef, state, cfg, contexts, batches):
+    rows_per = [n for n in cfg.engram.num_embeddings]
+    for b in batches:
+        for ctx in contexts:
+            cache = C.init_cache(cfg, b, ctx + 128)
+            cache = cache._replace(lengths=jnp.full((b,), ctx, jnp.int32))  # cost depends on shapes, not values
+            tokens = jnp.ones((b, 1), jnp.int32)
+            rows = jnp.stack([jnp.full((b, 1, cfg.engram.n_columns), r // 2, jnp.int32) for r in rows_per], 2)
+            step = jax.jit(lambda st, c, t, r: forward_chunk(nnx.merge(graphdef, st), c, t, r,
+                                                             jnp.ones((t.shape[0],), jnp.int32)))
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(state, cache, tokens, rows))
+            compile_s = time.perf_counter() - t0
+            sec, _ = timeit(step, state, cache, tokens, rows)
+            cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+            print(json.dumps({"bench": "decode_step", "batch": b, "context": ctx, "ms": sec * 1e3,
+                              "tokens_per_s": b / sec, "compile_s": compile_s, "cache_GB": cache_bytes / 1e9}),
+                  flush=True)
+            del cache
+
+
+def prefill(graphdef, state, cfg, lengths, chunk=2048):
+    cut = cfg.attention.candidate_source_layer + 1
+    for n in lengths:
+        for mode in ("exact", "ced"):
+            def run(mode=mode, n=n, fns={}):  # noqa: B006 -- one compiled function per chunk kind
+                cache = C.init_cache(cfg, 1, n)
+                logits = None
+                for lo in range(0, n, chunk):
+                    last = lo + chunk >= n
+                    opts = ChunkOptions() if mode == "exact" else (
+                        ChunkOptions(ced_cut=cut) if last else ChunkOptions(skip_from=cut))
+                    if opts not in fns:
+                        fns[opts] = jax.jit(lambda st, c, t, r, nn, o=opts: forward_chunk(
+                            nnx.merge(graphdef, st), c, t, r, nn, options=o))
+                    t = jnp.ones((1, chunk), jnp.int32)
+                    r = jnp.zeros((1, chunk, len(cfg.engram.layer_ids), cfg.engram.n_columns), jnp.int32)
+                    logits, cache = fns[opts](state, cache, t, r, jnp.array([chunk], jnp.int32))
+                return logits
+            sec, _ = timeit(run, reps=3)
+            print(json.dumps({"bench": "prefill", "mode": mode, "tokens": n, "s": sec, "chunk": chunk}), flush=True)
+
+
+def parts(cfg, contexts, batches):
+    """Per-layer pieces of a decode step: the candidate source's full indexer scan, a Reindex layer's
+    candidate-restricted scoring, and the sparse attention over window + 512 picks."""
+    from dsv41_jax.model.indexer import candidate_block_ids, gathered_index_scores, index_scores, select_topk
+    from dsv41_jax.model.sparse import sparse_attention
+    a = cfg.attention
+    key = jax.random.key(0)
+    for b in batches:
+        for ctx in contexts:
+            iq = jax.random.normal(key, (b, 1, a.index_n_heads, a.index_head_dim), jnp.bfloat16)
+            w = jax.random.normal(key, (b, 1, a.index_n_heads), jnp.float32)
+            keys = jax.random.normal(key, (b, ctx, a.index_head_dim), jnp.bfloat16)
+            nv = jnp.full((b, 1), ctx, jnp.int32)
+
+            def full_scan(iq, w, keys, nv):
+                s = index_scores(iq, w, keys)
+                return candidate_block_ids(s, nv, a.candidate_block_size, a.candidate_topk_blocks), \
+                    select_topk(s, a.index_topk, nv)
+            t_full, _ = timeit(jax.jit(full_scan), iq, w, keys, nv)
+            pool = a.candidate_topk_blocks * a.candidate_block_size
+            ck = jax.random.normal(key, (b, 1, min(pool, ctx), a.index_head_dim), jnp.bfloat16)
+            t_re, _ = timeit(jax.jit(lambda iq, w, k: jax.lax.top_k(gathered_index_scores(iq, w, k), a.index_topk)),
+                             iq, w, ck)
+            q = jax.random.normal(key, (b, 1, a.n_heads, a.head_dim), jnp.bfloat16)
+            kvw = jax.random.normal(key, (b, 1, a.head_dim), jnp.bfloat16)
+            ring = jax.random.normal(key, (b, a.window_size, a.head_dim), jnp.bfloat16)
+            picked = jax.random.normal(key, (b, 1, a.index_topk, a.head_dim), jnp.bfloat16)
+            topk = jnp.broadcast_to(jnp.arange(a.index_topk, dtype=jnp.int32), (b, 1, a.index_topk))
+            start = jnp.full((b,), ctx)
+            ring_pos = jnp.broadcast_to(ctx - a.window_size + jnp.arange(a.window_size), (b, a.window_size))
+            t_att, _ = timeit(jax.jit(lambda q, kvw, ring, picked, topk, start, ring_pos: sparse_attention(
+                q, kvw, jnp.zeros((a.n_heads,)), a.window_size, topk=topk, picked=picked, start=start,
+                prefix_kv=ring, prefix_pos=ring_pos)), q, kvw, ring, picked, topk, start, ring_pos)
+            print(json.dumps({"bench": "decode_parts", "batch": b, "context": ctx, "full_scan_ms": t_full * 1e3,
+                              "reindex_ms": t_re * 1e3, "attention_ms": t_att * 1e3}), flush=True)
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "decode"
+    cfg = bench_config()
+    print(json.dumps({"device": str(jax.devices()[0]), "jax": jax.__version__, "config": "release layers, dim 2048, "
+                      "16 experts x 1024"}), flush=True)
+    if what == "parts":
+        parts(cfg, [4096, 16384, 65536, 131072], [1, 32])
+        sys.exit()
+    graphdef, state = build(cfg)
+    n_params = sum(x.size for x in jax.tree.leaves(state))
+    print(json.dumps({"params_B": n_params / 1e9}), flush=True)
+    if what == "decode":
+        decode(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")])
+    elif what == "prefill":
+        prefill(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")])

@@ -22,7 +22,6 @@ from dsv41_jax import cache as C
 from dsv41_jax import config as Cfg
 from dsv41_jax.engine.step import ChunkOptions, forward_chunk
 from dsv41_jax.engram_hash import engram_primes
-from dsv41_jax.model.transformer import Transformer
 
 
 def bench_config() -> Cfg.ModelConfig:
@@ -45,7 +44,23 @@ def timeit(fn, *args, reps=10):
 
 
 def build(cfg):
-    return nnx.split(jax.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))())
+    """Random weights drawn leaf by leaf on the device (one small program per distinct shape; a single
+    jitted construction compiles one threefry per parameter and takes minutes at 40 layers)."""
+    from dsv41_jax.checkpoint.tree import flat_variables
+    from dsv41_jax.model.transformer import abstract_model
+
+    model = abstract_model(cfg)
+    key = jax.random.key(0)
+    for i, (name, var) in enumerate(sorted(flat_variables(model).items())):
+        shape, dtype = var.shape, var.dtype
+        if len(shape) >= 2:
+            value = jax.random.normal(jax.random.fold_in(key, i), shape, dtype) * shape[-1] ** -0.5
+        elif any(t in name for t in ("bias", "sink", "base")):
+            value = jnp.zeros(shape, dtype)
+        else:
+            value = jnp.ones(shape, dtype)
+        var.set_value(value)
+    return nnx.split(model)
 
 
 def decode(graphdef, state, cfg, contexts, batches):

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import GOLDEN, REPO
 
 from dsv41_jax import config as C
-from dsv41_jax.testing import RELEASE
+from dsv41_jax.testing import GOLDEN, RELEASE
+
+REPO = Path(__file__).resolve().parents[1]  # not from conftest: tests/*/conftest.py would shadow that name
 
 RELEASE_CONFIG = RELEASE / "config.json"
 TINY_HF_CONFIG = GOLDEN / "tiny_hf" / "config.json"

@@ -10,8 +10,8 @@ Output directory::
 What is written and how each band of it is computed lives in ``plan.py``. This module runs it:
 validation before any data moves, a progress line in bytes with an ETA, bounded memory (each array is
 written band by band, at most ``chunk_bytes`` of output per band, two bands in flight), resumability (the
-work happens in ``OUT.partial/``; every finished array is journaled and a rerun of the same command skips
-it), and an atomic finish (Orbax metadata, copies, manifest, then one rename to ``OUT``).
+work happens in ``OUT.partial/``; finished arrays are journaled once their data is synced, and a rerun of
+the same command skips them), and an atomic finish (Orbax metadata, copies, manifest, then one rename to ``OUT``).
 """
 
 from __future__ import annotations
@@ -149,6 +149,42 @@ def _resume(partial: Path, settings: dict) -> set[str]:
     return {n for n in done if (partial / PARAMS / n / ".zarray").is_file()}
 
 
+class _Journal:
+    """Names of finished arrays, made durable in batches: data first (``os.sync``), then the journal lines.
+
+    Arrays are written without a sync per file (tensorstore's ``file_io_sync`` off: ~3x faster per small
+    array), so a name is only journaled after a sync that covers its data; every 30 s or 4 GB, at the end,
+    and when the run stops on an exception (the page cache still holds everything then). A power cut
+    loses at most the last batch, which a rerun redoes.
+    """
+
+    def __init__(self, path: Path, seconds: float = 30.0, nbytes: int = 4 << 30):
+        self.path, self.seconds, self.limit = path, seconds, nbytes
+        self.pending: list[str] = []
+        self.bytes, self.t = 0, time.monotonic()
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.pending.append(name)
+        self.bytes += nbytes
+        if self.bytes >= self.limit or time.monotonic() - self.t >= self.seconds:
+            self.commit()
+
+    def commit(self) -> None:
+        if self.pending:
+            os.sync()
+            with open(self.path, "a") as f:
+                f.writelines(json.dumps({"name": n}) + "\n" for n in self.pending)
+                f.flush()
+                os.fsync(f.fileno())
+        self.pending, self.bytes, self.t = [], 0, time.monotonic()
+
+    def __enter__(self) -> _Journal:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.commit()
+
+
 def _write(out: Output, ckpt: ShardedCheckpoint, params_dir: Path, chunk_bytes: int,
            block: tuple[int, ...] | None, progress: Progress) -> None:
     """One array, band by band; the next band is computed while the previous one is written."""
@@ -175,7 +211,7 @@ def _finish(partial: Path, out: Path, hf_dir: Path, outputs: list[Output], manif
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     for name in (_JOURNAL, _SETTINGS):
         (partial / name).unlink(missing_ok=True)
-    store.fsync_dir(partial)
+    os.sync()  # everything durable before the rename publishes it
     if out.exists():
         out.rmdir()  # empty, checked before starting
     os.replace(partial, out)
@@ -195,6 +231,8 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, *, weights: str =
     if weights not in MODES:
         raise ConvertError(f"--weights {weights!r}: choose one of {', '.join(MODES)}")
     _check_out(out)
+    if not (hf_dir / "config.json").is_file():
+        raise ConvertError(f"--hf-dir {hf_dir}: no config.json (expected the release's directory layout)")
     cfg = C.from_hf(hf_dir)
     try:
         ckpt = ShardedCheckpoint(hf_dir)
@@ -209,14 +247,11 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, *, weights: str =
     done = _resume(partial, settings)
     total = sum(o.src_bytes for o in outputs)
     prog = Progress(total, sum(o.src_bytes for o in outputs if o.name in done), stream=stream, enabled=progress)
-    with open(partial / _JOURNAL, "a") as journal:
+    with _Journal(partial / _JOURNAL) as journal:
         for o in outputs:
-            if o.name in done:
-                continue
-            _write(o, ckpt, partial / PARAMS, chunk_bytes, blocks.get(o.name), prog)
-            journal.write(json.dumps({"name": o.name, "shape": list(o.shape), "dtype": o.dtype.name}) + "\n")
-            journal.flush()
-            os.fsync(journal.fileno())
+            if o.name not in done:
+                _write(o, ckpt, partial / PARAMS, chunk_bytes, blocks.get(o.name), prog)
+                journal.add(o.name, o.nbytes)
     ckpt.close()
     out_bytes = sum(o.nbytes for o in outputs)
     manifest = {"format": FORMAT, "version": VERSION, "weights": weights,

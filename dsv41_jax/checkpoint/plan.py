@@ -23,7 +23,8 @@ from dsv41_jax.checkpoint import hf
 from dsv41_jax.checkpoint.inventory import TensorSpec, expected_inventory
 from dsv41_jax.checkpoint.safetensors import SafetensorsError, ShardedCheckpoint
 
-__all__ = ["MODES", "ConvertError", "Output", "bands", "chunk_shape", "plan_outputs", "produce", "validate_source"]
+__all__ = ["MODES", "ConvertError", "Output", "bands", "chunk_shape", "config_outputs", "plan_outputs", "produce",
+           "validate_source"]
 
 MODES = ("native", "bf16", "fp32")
 _EXPERT = re.compile(r"^(?P<prefix>.*\.ffn\.experts)\.(?P<e>\d+)\.(?P<w>w\d)\.(?P<part>weight|scale)$")
@@ -114,21 +115,20 @@ def validate_source(ckpt: ShardedCheckpoint, cfg: C.ModelConfig) -> dict[str, st
 
 
 def _pairs(inventory: list[TensorSpec]) -> Iterator[tuple[str, list[TensorSpec], list[TensorSpec], bool]]:
-    """(our name, weights, scales): quantised pairs joined, routed experts stacked in expert order."""
+    """(our name, weights, scales, stacked) in inventory order: quantised pairs joined, each routed-expert
+    family (``P.ffn.experts.{E}.wK``) stacked in numeric expert order."""
     by_name = {t.name: t for t in inventory}
-    experts: dict[str, dict[int, tuple[TensorSpec, TensorSpec]]] = {}
+    groups: dict[str, list[tuple[int, TensorSpec, TensorSpec | None]]] = {}
     for t in inventory:
         if t.name.endswith(".scale"):
             continue
-        m = _EXPERT.match(t.name)
         scale = by_name.get(t.name[: -len("weight")] + "scale") if t.name.endswith(".weight") else None
-        if m:
-            experts.setdefault(f"{m['prefix']}.{m['w']}.weight", {})[int(m["e"])] = (t, scale)
-        else:
-            yield t.name, [t], [scale] if scale else [], False
-    for name, per in experts.items():
-        ws = [per[e] for e in sorted(per)]
-        yield name, [w for w, _ in ws], [s for _, s in ws], True
+        m = _EXPERT.match(t.name)
+        key = f"{m['prefix']}.{m['w']}.weight" if m else t.name
+        groups.setdefault(key, []).append((int(m["e"]) if m else -1, t, scale))
+    for key, members in groups.items():
+        members.sort(key=lambda x: x[0])  # expert 10 after 9, not after 1
+        yield key, [t for _, t, _ in members], [s for _, _, s in members if s], members[0][0] >= 0
 
 
 def _float_dtype(stored: str, mode: str) -> np.dtype:
@@ -160,21 +160,25 @@ def _outputs_for(name: str, ws: list[TensorSpec], ss: list[TensorSpec], stacked:
                    stacked)]
 
 
+def config_outputs(cfg: C.ModelConfig, mode: str, src: Mapping[str, str] | None = None) -> list[Output]:
+    """The output arrays of ``cfg``'s checkpoint in weights ``mode`` (from the config alone; ``src`` maps
+    canonical to index names when the source spells them differently)."""
+    if mode not in MODES:
+        raise ConvertError(f"--weights {mode!r}: choose one of {', '.join(MODES)}")
+    inventory = expected_inventory(cfg)
+    src = src or {t.name: t.name for t in inventory}
+    return [o for name, ws, ss, stacked in _pairs(inventory) for o in _outputs_for(name, ws, ss, stacked, mode, src)]
+
+
 def plan_outputs(ckpt: ShardedCheckpoint, cfg: C.ModelConfig, mode: str) -> list[Output]:
     """Every output array of a conversion, after validating the source against ``cfg``."""
     if mode not in MODES:
         raise ConvertError(f"--weights {mode!r}: choose one of {', '.join(MODES)}")
-    src = validate_source(ckpt, cfg)
-    outs = [o for name, ws, ss, stacked in _pairs(expected_inventory(cfg))
-            for o in _outputs_for(name, ws, ss, stacked, mode, src)]
+    outs = config_outputs(cfg, mode, validate_source(ckpt, cfg))
     return sorted(outs, key=lambda o: (ckpt.shard_of(o.sources[0]), o.name))  # shard by shard: file locality
 
 
 # ----------------------------------------------------------------------------- producing bands
-
-
-def _read(ckpt: ShardedCheckpoint, name: str, r0: int, r1: int) -> np.ndarray:
-    return ckpt.read_rows(name, r0, r1)
 
 
 def _dequant(out: Output, ckpt: ShardedCheckpoint, i: int, r0: int, r1: int) -> np.ndarray:
@@ -185,9 +189,9 @@ def _dequant(out: Output, ckpt: ShardedCheckpoint, i: int, r0: int, r1: int) -> 
     reference; a product past the f32 range gives inf.
     """
     br, bc = out.block
-    raw = _read(ckpt, out.sources[i], r0, r1)
+    raw = ckpt.read_rows(out.sources[i], r0, r1)
     vals = hf._decode_fp4(raw) if out.decode == "fp4" else raw.astype(np.float32)
-    s = hf._scale_f32(_read(ckpt, out.scales[i], r0 // br, -(-r1 // br)))
+    s = hf._scale_f32(ckpt.read_rows(out.scales[i], r0 // br, -(-r1 // br)))
     s = s[np.arange(r0, r1) // br - r0 // br]  # one scale row per value row
     cols = vals.shape[1]
     with np.errstate(over="ignore"):
@@ -200,7 +204,7 @@ def _dequant(out: Output, ckpt: ShardedCheckpoint, i: int, r0: int, r1: int) -> 
 
 def _rows(out: Output, ckpt: ShardedCheckpoint, i: int, r0: int, r1: int) -> np.ndarray:
     if out.decode == "raw":
-        a = _read(ckpt, out.sources[i], r0, r1)
+        a = ckpt.read_rows(out.sources[i], r0, r1)
         return a.view(out.dtype) if a.dtype.itemsize == 1 == out.dtype.itemsize else a.astype(out.dtype)
     return _dequant(out, ckpt, i, r0, r1).astype(out.dtype)
 

@@ -37,7 +37,7 @@ class Progress:
         self.interval = interval if interval is not None else (0.5 if self.tty else 10.0)
         self.enabled, self.prefix = enabled, prefix
         self.t0 = time.monotonic()
-        self._last = -float("inf")
+        self._last = self.t0  # the first report comes after one interval, when the rate means something
 
     def line(self, label: str = "") -> str:
         elapsed = max(time.monotonic() - self.t0, 1e-9)

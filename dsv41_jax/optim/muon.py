@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float
 from optax.contrib import MuonDimensionNumbers
-from optax.contrib._muon import orthogonalize_via_newton_schulz
+from optax.contrib._muon import orthogonalize_via_newton_schulz  # not re-exported by optax 0.2.8; tests pin it
 
 # our weights are stored [..., out, in]: leading axes are batch (experts / heads / groups), each
 # matrix is orthogonalised on its own (the transposition optax may do inside is exact: NS(Xᵀ) = NS(X)ᵀ)
@@ -33,7 +33,9 @@ def newton_schulz(x: Float[Array, "*B m n"], schedule: tuple[tuple[float, float,
                   eps: float) -> Float[Array, "*B m n"]:
     """``X₀ = D/(‖D‖_F + eps)``, then ``X ← aX + b(XXᵀ)X + c(XXᵀ)²X`` with one (a, b, c) per iteration.
 
-    Leading axes are batch: every trailing [m, n] matrix is orthogonalised separately.
+    Leading axes are batch: every trailing [m, n] matrix is orthogonalised separately. Matmuls run at JAX's
+    default precision (exact fp32 on CPU; TF32 may be used on GPU unless ``jax_default_matmul_precision``
+    says otherwise).
     """
     coeffs = jnp.asarray(schedule, jnp.float32)  # [iterations, 3]
     if x.ndim == 2:

@@ -76,7 +76,7 @@ def optimizer(model_cfg: ModelConfig, cfg: OptimConfig | None = None,
     return optax.partition(group_transforms(model_cfg, cfg, lr), L.param_labels)
 
 
-def state_partition_specs(tx: optax.GradientTransformation, params: Any, param_specs: Any) -> Any:
+def opt_state_partition_specs(tx: optax.GradientTransformation, params: Any, param_specs: Any) -> Any:
     """PartitionSpecs for ``tx.init(params)``: every per-parameter buffer shards like its parameter.
 
     ``params`` may be abstract; ``param_specs`` is a tree like ``params`` with a ``PartitionSpec`` per leaf

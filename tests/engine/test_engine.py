@@ -16,8 +16,10 @@ from dsv41_jax import cache as C
 from dsv41_jax.checkpoint.load import model_from_hf
 from dsv41_jax.engine import ChunkOptions, forward_chunk, prefill, replay_after_hit
 from dsv41_jax.scoring import row_rel_l2
+from dsv41_jax.testing import CPU_EXACT
 
 CHUNK = 64  # every prefill chunk is padded to this static length (ragged n_new), so one compilation serves all
+
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,7 @@ def _run(env, cache, ids, rows, n_new, replay_start=None, write_floor=None):
                         zeros if write_floor is None else write_floor)
 
 
+@CPU_EXACT
 def test_chunked_prefill_then_decode_reproduces_the_training_forward(env):
     """Ragged chunks of 64, 33 and 64 tokens, then teacher-forced decode: every position's logits match."""
     ids = np.repeat(env["inputs"]["batch1_ids"][:, :160], 2, axis=0)  # [2, 160], split differently per row
@@ -89,6 +92,7 @@ def test_chunked_prefill_then_decode_reproduces_the_training_forward(env):
         assert g.shape == want[i].shape and err.max() < 2e-5, (i, err.max(), int(err.argmax()))
 
 
+@CPU_EXACT
 def test_packed_cache_is_bit_identical_to_fake_quant(env):
     """Prefill from position 0 through the packed cache equals the training forward bit for bit: the cache
     stores pack(x) and unpack(pack(x)) == qdq(x) exactly."""
@@ -99,6 +103,7 @@ def test_packed_cache_is_bit_identical_to_fake_quant(env):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@CPU_EXACT
 def test_teacher_forced_decode_matches_reference(env):
     """The golden decode protocol: prefill S tokens, feed decode_input_ids at S..S+7 (spec §8, README §6)."""
     ref = env["ref"]
@@ -122,6 +127,7 @@ def test_teacher_forced_decode_matches_reference(env):
         assert np.median(err) < 1e-5 and err.max() < 1e-3, (tag, np.median(err), err.max())
 
 
+@CPU_EXACT
 def test_bounded_replay_keeps_global_kv_and_ignores_lost_state(env):
     """Encoder replay after a hit at H (odd: a ratio-2 group straddles it), spec §9.4."""
     cfg = env["model"].cfg
@@ -158,6 +164,7 @@ def test_bounded_replay_keeps_global_kv_and_ignores_lost_state(env):
     assert 0 < np.median(err) < 0.5
 
 
+@CPU_EXACT
 def test_ced_equals_exact_with_truncated_decoder_windows(env):
     cfg = env["model"].cfg
     graphdef, state = env["graphdef"], env["state"]

@@ -13,6 +13,7 @@ import pytest
 
 from dsv41_jax.checkpoint.load import model_from_hf
 from dsv41_jax.scoring import compare, prefill_outputs, row_rel_l2
+from dsv41_jax.testing import CPU_EXACT
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,7 @@ def golden(golden_dir):
     return ours, ref
 
 
+@CPU_EXACT
 def test_prefill_logits_match_reference(golden):
     ours, ref = golden
     errs = np.concatenate([row_rel_l2(ours[k], ref[k]) for k in ("batch1_prefill_logits", "batch2_prefill_logits")])
@@ -37,6 +39,7 @@ def test_prefill_logits_match_reference(golden):
         assert (ours[k].argmax(-1) == ref[k].argmax(-1)).all()
 
 
+@CPU_EXACT
 def test_every_discrete_decision_matches(golden):
     ours, ref = golden
     report = compare(ours, ref)
@@ -46,6 +49,7 @@ def test_every_discrete_decision_matches(golden):
     assert all(r["row_agreement"] == 1.0 for r in discrete.values()), discrete
 
 
+@CPU_EXACT
 def test_streams_and_caches_layer_by_layer(golden):
     ours, ref = golden
     streams = ours["b1_stream_after_layer"]

@@ -12,12 +12,12 @@ import time
 
 import jax
 import pytest
-from conftest import GOLDEN
 from flax import nnx
 
 from dsv41_jax import config as C
 from dsv41_jax.checkpoint.tree import NON_BACKBONE_PREFIXES, flat_variables
 from dsv41_jax.model.transformer import abstract_model
+from dsv41_jax.testing import GOLDEN
 
 ENGRAM_TABLE = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")
 ROUTED_EXPERTS = re.compile(r"^layers\.\d+\.ffn\.experts\.")

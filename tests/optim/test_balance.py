@@ -11,6 +11,7 @@ from dsv41_jax.model.moe import Routing
 from dsv41_jax.optim import aux_free_bias_update, balance_loss, expert_load, router_bias_update, sequence_balance_loss
 
 E, K = 8, 2
+_seq_loss = jax.jit(sequence_balance_loss, static_argnums=2)
 
 
 def _routing(rng, b=2, s=12, skew=None):
@@ -23,7 +24,7 @@ def test_bias_rule_matches_numpy(rng):
     r = _routing(rng, skew=np.arange(1, E + 1) / np.arange(1, E + 1).sum())
     bias = jnp.asarray(rng.normal(size=E), jnp.float32)
     load = np.bincount(np.asarray(r.experts).ravel(), minlength=E).astype(float)
-    got = aux_free_bias_update(bias, expert_load(r.experts, E), 1e-3)
+    got = jax.jit(lambda b, e: aux_free_bias_update(b, expert_load(e, E), 1e-3))(bias, r.experts)
     np.testing.assert_allclose(np.asarray(got), np.asarray(bias) + 1e-3 * np.sign(load.mean() - load), rtol=1e-7)
 
 
@@ -33,19 +34,20 @@ def test_modalities_update_their_own_bias(rng):
     is_image = jnp.asarray(rng.random((2, 12)) < 0.4)
     valid = jnp.ones((2, 12), bool).at[1, 8:].set(False)
     biases = {"layers": {0: {"ffn": {"gate": {"bias": jnp.zeros(E), "bias_vl": jnp.zeros(E)}}}}}
-    new = router_bias_update(biases, [r], 1e-3, is_image=is_image, valid=valid)["layers"][0]["ffn"]["gate"]
+    new = jax.jit(lambda b, r, i, v: router_bias_update(b, [r], 1e-3, is_image=i, valid=v))(
+        biases, r, is_image, valid)["layers"][0]["ffn"]["gate"]
     experts, img, ok = np.asarray(r.experts), np.asarray(is_image), np.asarray(valid)
     for key, sel in (("bias", ok & ~img), ("bias_vl", ok & img)):
         load = np.bincount(experts[sel].ravel(), minlength=E).astype(float)
         np.testing.assert_array_equal(np.asarray(new[key]), 1e-3 * np.sign(load.mean() - load).astype(np.float32))
-    text_only = router_bias_update(biases, [r], 1e-3)["layers"][0]["ffn"]["gate"]
+    text_only = jax.jit(lambda b, r: router_bias_update(b, [r], 1e-3))(biases, r)["layers"][0]["ffn"]["gate"]
     assert (np.asarray(text_only["bias_vl"]) == 0).all()  # no image tokens: no image-bias step
 
 
 def test_sequence_loss_matches_numpy(rng):
     r = _routing(rng)
     valid = jnp.ones((2, 12), bool).at[0, 9:].set(False)
-    got = float(sequence_balance_loss(r.scores, r.experts, 1e-4, valid))
+    got = float(_seq_loss(r.scores, r.experts, 1e-4, valid))
     s, ex, v = np.asarray(r.scores, np.float64), np.asarray(r.experts), np.asarray(valid)
     per_seq = []
     for b in range(2):
@@ -62,6 +64,6 @@ def test_balanced_routing_gives_alpha_and_gradient_only_through_scores(rng):
     experts = jnp.asarray(np.arange(s * K).reshape(1, s, K) % E, jnp.int32)
     scores = jnp.asarray(rng.uniform(0.1, 2.0, size=(1, s, E)), jnp.float32)
     r = Routing(experts, jnp.ones((1, s, K)), scores)
-    assert float(balance_loss([r, r], 1e-4)) == pytest.approx(2e-4, rel=1e-6)
-    g = jax.grad(lambda sc: sequence_balance_loss(sc, experts, 1e-4))(scores)
+    assert float(jax.jit(balance_loss, static_argnums=1)([r, r], 1e-4)) == pytest.approx(2e-4, rel=1e-6)
+    g = jax.jit(jax.grad(lambda sc: sequence_balance_loss(sc, experts, 1e-4)))(scores)
     assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).sum() > 0

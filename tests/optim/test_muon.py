@@ -8,6 +8,7 @@ import numpy as np
 import numpy_reference as ref
 import optax
 import pytest
+from optim_testing import run_steps
 
 from dsv41_jax.optim import OptimConfig, muon, newton_schulz
 from dsv41_jax.optim.muon import orthogonalized_update
@@ -20,13 +21,7 @@ _orth = jax.jit(orthogonalized_update, static_argnames=("blocks", "schedule", "r
 
 def _steps(tx, w, grads):
     """Apply ``tx`` for each gradient in turn; returns the final weights."""
-    params = {"w": jnp.asarray(w, jnp.float32)}
-    state = tx.init(params)
-    update = jax.jit(tx.update)
-    for g in grads:
-        upd, state = update({"w": jnp.asarray(g, jnp.float32)}, state, params)
-        params = optax.apply_updates(params, upd)
-    return np.asarray(params["w"])
+    return run_steps(tx, {"w": w}, [{"w": g} for g in grads])[0]["w"]
 
 
 def test_newton_schulz_matches_numpy(rng):

@@ -41,7 +41,8 @@ def test_from_dict_round_trip_and_overrides():
     ({"constant_until": 10}, r"train\.yaml: need 0 ≤ warmup_steps ≤ constant_until"),
     ({"adam_b2": 1.0}, r"train\.yaml: 'adam_b2' must be in \[0, 1\)"),
     ({1: 2}, r"train\.yaml: optimizer config keys must be strings"),
-])
+], ids=["unknown key", "int as float", "number as str", "bool as int", "two coefficients", "schedule order",
+        "beta of 1", "non-string key"])
 def test_bad_values_name_key_and_file(data, pattern):
     with pytest.raises(ConfigError, match=pattern):
         from_dict(data, source="train.yaml")

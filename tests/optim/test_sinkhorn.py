@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy_reference as ref
-import optax
+from optim_testing import run_steps
 
 from dsv41_jax.optim import OptimConfig, sinkhorn, sinkhorn_direction
 
@@ -30,16 +30,10 @@ def _direction_of(n, iters=CFG.sinkhorn_iters):
 def test_two_steps_match_numpy(rng):
     for lr_mult in (1.0, CFG.engram_lr_mult):
         w, g1, g2 = rng.normal(size=(96, 40)), _table_grad(rng), _table_grad(rng)
-        tx = sinkhorn(CFG, lr_mult, lr=LR)
-        params = {"t": jnp.asarray(w, jnp.float32)}
-        state = tx.init(params)
-        update = jax.jit(tx.update)
-        for g in (g1, g2):
-            upd, state = update({"t": jnp.asarray(g, jnp.float32)}, state, params)
-            params = optax.apply_updates(params, upd)
+        params, state = run_steps(sinkhorn(CFG, lr_mult, lr=LR), {"t": w}, [{"t": g1}, {"t": g2}])
         want, m = ref.sinkhorn_step(w, g1, np.zeros_like(w), lr=LR, lr_mult=lr_mult)
         want, m = ref.sinkhorn_step(want, g2, m, lr=LR, lr_mult=lr_mult)
-        np.testing.assert_allclose(np.asarray(params["t"]), want, atol=2e-6, rtol=0)
+        np.testing.assert_allclose(params["t"], want, atol=2e-6, rtol=0)
         np.testing.assert_allclose(np.asarray(state[0].momentum["t"]), m, rtol=1e-6, atol=1e-7)
 
 

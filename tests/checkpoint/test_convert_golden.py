@@ -1,0 +1,50 @@
+"""End to end against the official reference: `dsv41 convert --weights fp32` of the golden checkpoint, then
+`dsv41 score --ckpt`, judged by the golden's own scorer (tests/data/golden/check_golden.py, README §7).
+
+The robust recipe must pass (prefill logits median / q90 / argmax agreement, top-k / candidate / route rows,
+Engram row ids exact). Beyond the recipe: every discrete decision is identical, as for the HF loader.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from dsv41_jax.cli import main
+
+
+def _check_golden(golden_dir):
+    spec = importlib.util.spec_from_file_location("check_golden", golden_dir / "check_golden.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def scored(golden_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("golden")
+    assert main(["convert", "--hf-dir", str(golden_dir / "tiny_hf"), "--out", str(root / "ckpt"), "--weights",
+                 "fp32", "--quiet"]) == 0
+    assert main(["score", "--ckpt", str(root / "ckpt"), "--inputs", str(golden_dir / "inputs.npz"),
+                 "--out", str(root / "ours.npz"), "--dtype", "float32"]) == 0
+    return dict(np.load(root / "ours.npz")), dict(np.load(golden_dir / "ref_fp32.npz"))
+
+
+def test_robust_recipe_passes(scored, golden_dir):
+    ours, ref = scored
+    checker = _check_golden(golden_dir)
+    result = checker.compare(ref, ours)
+    assert result["groups"]["prefill_logits"]["rows"] == 481
+    assert checker.judge(result)["robust"], result["groups"]
+    g = result["groups"]["prefill_logits"]
+    assert g["median"] < 2e-6 and g["q90"] < 5e-6 and g["argmax_agreement"] == 1.0  # a correct fp32 port
+
+
+def test_every_discrete_decision_agrees(scored, golden_dir):
+    ours, ref = scored
+    discrete = _check_golden(golden_dir).compare(ref, ours)["discrete"]
+    kinds = {k.split("_", 1)[1] for k in discrete}
+    assert {"engram_row_ids", "moe_topk", "candidates_6", "topk_2", "topk_10"} <= kinds, sorted(discrete)
+    assert all(v == 1.0 for v in discrete.values()), discrete

@@ -69,6 +69,16 @@ def _cmd_score(args) -> int:
         model, hasher = model_from_orbax(args.ckpt, dtype=args.dtype, param_dtype=args.param_dtype)
     else:
         model, hasher = model_from_hf(args.hf_dir, dtype=args.dtype)
+    if args.ids:
+        ids = np.load(args.ids)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu":
+            raise SystemExit(f"{args.ids}: expected integer token ids [B, S], got {ids.dtype} {ids.shape}")
+        if ids.min() < 0 or ids.max() >= model.cfg.vocab_size:
+            raise SystemExit(f"{args.ids}: token ids must lie in [0, {model.cfg.vocab_size})")
+        logits = prefill_outputs(model, hasher, ids, "ids")["ids_prefill_logits"]
+        np.save(args.out or "logits.npy", logits)
+        print(f"wrote logits {logits.shape} to {args.out or 'logits.npy'}")
+        return 0
     inputs = np.load(args.inputs)
     tags = [k[: -len("_ids")] for k in inputs.files if k.endswith("_ids")]
     if not tags:
@@ -132,8 +142,13 @@ def _cmd_sample(args) -> int:
     from dsv41_jax.engine.sampling import Generator, SamplingConfig
     from dsv41_jax.engram_device import device_engram
 
-    model, hasher = model_from_hf(args.hf_dir, dtype=args.dtype)
-    tok = Tokenizer.from_file(str(Path(args.hf_dir) / "tokenizer.json"))
+    if args.ckpt:
+        from dsv41_jax.checkpoint.load import model_from_orbax
+
+        model, hasher = model_from_orbax(args.ckpt, dtype=args.dtype)
+    else:
+        model, hasher = model_from_hf(args.hf_dir, dtype=args.dtype)
+    tok = Tokenizer.from_file(str(Path(args.ckpt or args.hf_dir) / "tokenizer.json"))
     if args.ids:
         prompts = [[int(t) for t in p.split(",")] for p in args.ids]
     else:
@@ -165,13 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("score", help="run a release-format HF checkpoint and compare with reference outputs")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-dir", help="directory with config.json, index, shards, tokenizer.json")
-    src.add_argument("--ckpt", help="an Orbax checkpoint written by `dsv41 convert`")
+    src.add_argument("--ckpt", "--checkpoint", dest="ckpt", help="an Orbax checkpoint written by `dsv41 convert`")
     p.add_argument("--param-dtype", choices=["float32", "bfloat16"],
                    help="with --ckpt: parameter dtype (default: float32 for fp32 conversions, else bfloat16)")
-    p.add_argument("--inputs", required=True, help="npz with <tag>_ids int arrays [B, S]")
+    ids = p.add_mutually_exclusive_group(required=True)
+    ids.add_argument("--inputs", help="npz with <tag>_ids int arrays [B, S] (writes golden-named arrays)")
+    ids.add_argument("--ids", help="npy of int token ids [B, S]: --out gets teacher-forced fp32 logits [B, S, V]")
     p.add_argument("--reference", help="npz of reference outputs under the same names")
     p.add_argument("--out", help="write our outputs here (npz)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", "--precision", dest="dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="activation precision (fp32 = the exact reference semantics)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_cmd_score)
     p = sub.add_parser("convert", help="convert a release-format HF checkpoint into an Orbax checkpoint")
@@ -192,8 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ledger", help="KV-cache bytes per token and per sequence of a config")
     p.add_argument("--config", default="v41_flash")
     p.set_defaults(fn=_cmd_ledger)
-    p = sub.add_parser("sample", help="generate from a release-format checkpoint")
-    p.add_argument("--hf-dir", required=True)
+    p = sub.add_parser("sample", help="generate from a converted (Orbax) or release-format checkpoint")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", "--checkpoint", dest="ckpt", help="an Orbax checkpoint written by `dsv41 convert`")
+    src.add_argument("--hf-dir", help="a release-format Hugging Face directory")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", action="append", help="text prompt (repeat for a batch)")
     group.add_argument("--ids", action="append", help="comma-separated token ids (repeat for a batch)")

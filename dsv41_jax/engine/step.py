@@ -29,6 +29,7 @@ class ChunkOptions(NamedTuple):
     # oracle of what CED computes on its kept rows)
     truncate_from: int | None = None
     all_logits: bool = False
+    return_selections: bool = False  # also return each index source's top-k selection {layer: [B, S, K]}
     # a CED prefill chunk that is not the last: layers from here on are skipped (their SWA state comes from
     # the last chunk's narrowed rows) and no logits are produced
     skip_from: int | None = None  # logits of every row instead of each sequence's last valid row
@@ -76,6 +77,7 @@ def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"],
     x = jnp.broadcast_to(h[:, :, None, :], (b, s, cfg.mhc.hc_mult, cfg.dim))
     pre = jnp.broadcast_to(jax.nn.one_hot(0, cfg.mhc.hc_mult, dtype=jnp.float32), (b, s, cfg.mhc.hc_mult))
     rings, sources, shared = list(cache.rings), cache.sources, StepShared()
+    selections = {}
     ctx = _context(cache, pos, valid, n_new, w, replay_start, write_floor)
     for i, block in enumerate(model.layers):
         if options.skip_from is not None and i >= options.skip_from:
@@ -107,6 +109,8 @@ def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"],
             return y, (ring, new_sources, new_shared)
 
         x, pre, (rings[i], sources, shared), _ = block.run(x, pre, attend, is_image)
+        if block.attn.spec.has_indexer:
+            selections[i] = shared.topk
     new_cache = C.Cache(cache.lengths + n_new, tuple(rings), sources)
     if options.skip_from is not None:
         return None, new_cache
@@ -116,4 +120,6 @@ def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"],
         out = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
     logits = jnp.einsum("...d,vd->...v", out.astype(jnp.float32), model.head.weight[...].astype(jnp.float32),
                         precision="highest")
+    if options.return_selections:
+        return logits, new_cache, selections
     return logits, new_cache

@@ -38,8 +38,13 @@ def env(golden_dir):
         return forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, n_new, replay_start=replay_start,
                              write_floor=write_floor, options=ChunkOptions(all_logits=True))
 
+    @jax.jit
+    def decode(cache, tokens, rows):
+        return forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, jnp.ones((tokens.shape[0],), jnp.int32),
+                             options=ChunkOptions(return_selections=True))
+
     return dict(model=model, hasher=hasher, inputs=inputs, ref=ref, full=full, chunk=chunk, graphdef=graphdef,
-                state=state)
+                state=state, decode=decode)
 
 
 def _pad(x, length):
@@ -116,13 +121,18 @@ def test_teacher_forced_decode_matches_reference(env):
             n = min(CHUNK, s - lo)
             _, cache = _run(env, cache, ids[:, lo:lo + n], rows[:, lo:lo + n], [n] * b)
         dec = ref[f"{tag}_decode_input_ids"]
-        logits, row_ids = [], []
+        logits, row_ids, picks = [], [], []
         for i in range(dec.shape[1]):
             r, history = env["hasher"].row_ids(dec[:, i:i + 1], None, history)
             row_ids.append(r[:, 0])
-            out, cache = _run(env, cache, dec[:, i:i + 1], r, [1] * b)
-            logits.append(np.asarray(out[:, 0]))
+            out, cache, sel = env["decode"](cache, jnp.asarray(dec[:, i:i + 1]), jnp.asarray(r, jnp.int32))
+            logits.append(np.asarray(out))
+            picks.append(np.stack([np.asarray(sel[layer])[:, 0] for layer in sorted(sel)], axis=1))
         np.testing.assert_array_equal(np.stack(row_ids, 1), ref[f"{tag}_decode_engram_row_ids"])
+        # the decode selections of every index source (−1 empty; the reference pads with −2 when fewer than
+        # k entries are visible, which never happens this far in): identical sets
+        want = np.where(ref[f"{tag}_decode_topk"] == -2, -1, ref[f"{tag}_decode_topk"])
+        np.testing.assert_array_equal(np.sort(np.stack(picks, 1), -1), np.sort(want, -1))
         err = row_rel_l2(np.stack(logits, 1), ref[f"{tag}_decode_logits"])
         assert np.median(err) < 1e-5 and err.max() < 1e-3, (tag, np.median(err), err.max())
 

@@ -1,6 +1,6 @@
 """Decode and prefill timings of the inference engine on a config with the release's layer structure.
 
-Prints one JSON line per measurement and a table. Usage: python benchmarks/engine_bench.py [decode|prefill|parts]
+Prints one JSON line per measurement. Usage: python benchmarks/engine_bench.py decode|prefill|parts|cost ...
 Sizes: the release's attention and indexer geometry (64 heads × 512, index 32 × 128, top-k 512, window 128,
 2048 candidate blocks of 8) and all 40 layers with their roles; a narrower residual (dim 2048) and fewer,
 smaller experts so that it fits one H200 in bf16.
@@ -143,6 +143,30 @@ def parts(cfg, contexts, batches):
                               "reindex_ms": t_re * 1e3, "attention_ms": t_att * 1e3}), flush=True)
 
 
+def cost(cfg, lengths):
+    """XLA's cost analysis of the lowered prefill programs (no device needed): CED over exact flops vs the
+    prediction (E·N + D·W) / (L·N), E = layers through the candidate source, D = the rest."""
+    from dsv41_jax.model.transformer import abstract_model
+
+    graphdef, state = nnx.split(abstract_model(cfg))
+    a = cfg.attention
+    cut = a.candidate_source_layer + 1
+    n_layers, w = cfg.n_layers, a.window_size
+    for n in lengths:
+        flops = {}
+        for mode, opts in (("exact", ChunkOptions()), ("ced", ChunkOptions(ced_cut=cut))):
+            fn = jax.jit(lambda st, c, t, r, nn, o=opts: forward_chunk(nnx.merge(graphdef, st), c, t, r, nn,
+                                                                       options=o))
+            cache = jax.eval_shape(lambda n=n: C.init_cache(cfg, 1, n))
+            tokens = jax.ShapeDtypeStruct((1, n), jnp.int32)
+            rows = jax.ShapeDtypeStruct((1, n, len(cfg.engram.layer_ids), cfg.engram.n_columns), jnp.int32)
+            analysis = fn.lower(state, cache, tokens, rows, jax.ShapeDtypeStruct((1,), jnp.int32)).cost_analysis()
+            flops[mode] = (analysis if isinstance(analysis, dict) else analysis[0])["flops"]
+        print(json.dumps({"bench": "prefill_cost", "tokens": n, "exact_flops": flops["exact"],
+                          "ced_flops": flops["ced"], "measured_ratio": flops["ced"] / flops["exact"],
+                          "predicted_ratio": (cut * n + (n_layers - cut) * w) / (n_layers * n)}), flush=True)
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "decode"
     cfg = bench_config()
@@ -150,6 +174,9 @@ if __name__ == "__main__":
                       "16 experts x 1024"}), flush=True)
     if what == "parts":
         parts(cfg, [4096, 16384, 65536, 131072], [1, 32])
+        sys.exit()
+    if what == "cost":
+        cost(cfg, [int(x) for x in sys.argv[2].split(",")])
         sys.exit()
     graphdef, state = build(cfg)
     n_params = sum(x.size for x in jax.tree.leaves(state))

@@ -147,3 +147,28 @@ def ledger(cfg: ModelConfig, max_seq_len: int = 8192) -> dict[str, float]:
             "encoder_swa_bytes_per_sequence": sum(_nbytes(r.values) + _nbytes(r.exps)
                                                   for r, s in zip(cache.rings, specs, strict=True)
                                                   if s.part == "encoder")}
+
+
+# ----------------------------------------------------------------------------------------------------
+# sharding: sequences over the data axis, like the activations; the shared compressed caches optionally
+# sequence-sharded too (long contexts)
+
+
+def cache_partition_specs(cache: Cache, mesh: jax.sharding.Mesh | None = None, *, batch_axis: str = "data",
+                          sequence_axis: str | None = None):
+    """A :class:`Cache`-shaped pytree of PartitionSpecs: batch over ``batch_axis``; the global (compressed)
+    caches' entry axis over ``sequence_axis`` if given. An axis that does not divide is left replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    def fits(axis, size):
+        return axis is not None and (mesh is None or size % mesh.shape[axis] == 0)
+
+    def spec(x, seq: bool):
+        b = batch_axis if fits(batch_axis, x.shape[0]) else None
+        if seq and x.ndim >= 2 and fits(sequence_axis, x.shape[1]):
+            return P(b, sequence_axis, *([None] * (x.ndim - 2)))
+        return P(b, *([None] * (x.ndim - 1)))
+
+    return Cache(spec(cache.lengths, False),
+                 tuple(RingCache(*(spec(x, False) for x in r)) for r in cache.rings),
+                 tuple(SourceCache(*(spec(x, i < 4) for i, x in enumerate(s))) for s in cache.sources))

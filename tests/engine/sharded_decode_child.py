@@ -44,8 +44,9 @@ single, _ = run(state, C.init_cache(cfg, b, 64))
 mesh = jax.make_mesh((2, 2, 2, 1), ("data", "fsdp", "expert", "tensor"),
                      axis_types=(jax.sharding.AxisType.Auto,) * 4)
 specs = dict(nnx.to_flat_state(state_partition_specs(state, mesh=mesh)))
-sharded_state = nnx.from_flat_state([(path, var.replace(jax.device_put(var.get_value(), NamedSharding(mesh, specs[path]))))
-                                     for path, var in nnx.to_flat_state(state)])
+sharded_state = nnx.from_flat_state([
+    (path, var.replace(jax.device_put(var.get_value(), NamedSharding(mesh, specs[path]))))
+    for path, var in nnx.to_flat_state(state)])
 cache = C.init_cache(cfg, b, 64)
 sharded_cache = jax.tree.map(lambda x, p: jax.device_put(x, NamedSharding(mesh, p)), cache,
                              C.cache_partition_specs(cache, mesh, sequence_axis="fsdp"))

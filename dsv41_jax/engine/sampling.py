@@ -72,20 +72,23 @@ class Generator:
         self.max_seq_len, self.sampling = max_seq_len, sampling
         graphdef, state = nnx.split(model)
         self.state = state
-        options = ChunkOptions()
+        # (options of non-final chunks, options of the final chunk)
+        self._chunk_options = (ChunkOptions(), ChunkOptions())
         if sampling.prefill_mode == "ced":
             cut = default_ced_cut(model.cfg)
             check_ced_cut(model.cfg, cut)
-            options = ChunkOptions(ced_cut=cut)
+            if sampling.prefill_chunk < model.cfg.attention.window_size:
+                raise ValueError(f"CED prefill needs prefill_chunk ≥ window ({model.cfg.attention.window_size})")
+            self._chunk_options = (ChunkOptions(skip_from=cut), ChunkOptions(ced_cut=cut))
         elif sampling.prefill_mode != "exact":
             raise ValueError(f"prefill_mode must be 'exact' or 'ced', got {sampling.prefill_mode!r}")
 
-        def prefill_chunk(state, cache, history, n_seen, tokens, n_new, opts=options):
+        def prefill_chunk(state, cache, history, n_seen, tokens, n_new, opts):
             rows, _, _ = device_row_ids(tables, history, n_seen, tokens)  # padding rows: computed, never used
             logits, cache = forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, n_new, options=opts)
             return logits, cache, *_advance_history(tables, history, n_seen, tokens, n_new)
 
-        self._prefill = jax.jit(prefill_chunk)
+        self._prefill = jax.jit(prefill_chunk, static_argnums=6)
         self._decode = jax.jit(lambda state, s: self._decode_block(nnx.merge(graphdef, state), s))
 
     def _decode_block(self, model: Transformer, s: DecodeState):
@@ -109,21 +112,28 @@ class Generator:
         return jax.lax.fori_loop(0, cfg.block, body, (s, jnp.full((b, cfg.block), -1, jnp.int32)))
 
     def prefill(self, prompts: list[list[int]]) -> DecodeState:
-        """Chunked prefill of ragged prompts (token ids); validates them first."""
+        """Chunked prefill of ragged prompts (token ids); validates them first.
+
+        Prompts are right-aligned on the chunk grid, so every sequence ends in the final chunk: CED runs the
+        layers after its cut only there, on each sequence's last ``window`` tokens.
+        """
         _validate_prompts(prompts, self.batch, self.cfg.vocab_size, self.max_seq_len)
         lengths = np.array([len(p) for p in prompts])
         chunk = self.sampling.prefill_chunk
+        n_chunks = -(-int(lengths.max()) // chunk)
         cache = C.init_cache(self.cfg, self.batch, self.max_seq_len)
         history, n_seen = device_history_init(self.tables, self.batch)
         logits = None
-        for lo in range(0, int(lengths.max()), chunk):
-            n_new = np.clip(lengths - lo, 0, chunk)
+        for k in range(n_chunks):
+            hi = lengths - (n_chunks - 1 - k) * chunk  # exclusive end of each row's slice in this chunk
+            lo = np.maximum(hi - chunk, 0)
+            n_new = np.maximum(hi - lo, 0)
             tokens = np.zeros((self.batch, chunk), np.int32)
             for i, p in enumerate(prompts):
-                tokens[i, : n_new[i]] = p[lo: lo + n_new[i]]
-            out, cache, history, n_seen = self._prefill(self.state, cache, history, n_seen, jnp.asarray(tokens),
-                                                        jnp.asarray(n_new, jnp.int32))
-            logits = out if logits is None else jnp.where(jnp.asarray(n_new > 0)[:, None], out, logits)
+                tokens[i, : n_new[i]] = p[lo[i]: lo[i] + n_new[i]]
+            opts = self._chunk_options[k == n_chunks - 1]
+            logits, cache, history, n_seen = self._prefill(self.state, cache, history, n_seen, jnp.asarray(tokens),
+                                                           jnp.asarray(n_new, jnp.int32), opts)
         return DecodeState(cache, logits, history, n_seen, jnp.zeros((self.batch,), bool),
                            jax.random.split(jax.random.key(0), self.batch), jnp.int32(0))
 

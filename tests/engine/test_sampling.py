@@ -63,3 +63,27 @@ def test_samplers():
         order = np.argsort(-probs[i])
         n = int(np.searchsorted(np.cumsum(probs[i][order]), p) + 1)
         assert np.isin(many[:, i], order[:n]).all()
+
+
+def test_chunked_ced_prefill_equals_one_chunk_ced(golden_generator, golden_dir):
+    """Generation with CED prefill in 64-token chunks (layers after the cut skipped on non-final chunks,
+    prompts right-aligned so each ends in the final chunk) gives the one-chunk CED prefill's logits."""
+    import jax.numpy as jnp
+
+    from dsv41_jax import cache as C
+    from dsv41_jax.engine import ChunkOptions, default_ced_cut, forward_chunk
+
+    _, model, hasher = golden_generator
+    ids = np.load(golden_dir / "inputs.npz")["batch2_ids"][:, :150]
+    prompts = [list(ids[0]), list(ids[1, :131])]  # ragged: 150 and 131 tokens
+    sampling = SamplingConfig(temperature=0, max_new_tokens=1, stop_tokens=(), block=1, prefill_chunk=64,
+                              prefill_mode="ced")
+    state = Generator(model, device_engram(hasher), 2, 256, sampling).prefill(prompts)
+    padded = np.zeros((2, 150), np.int64)
+    padded[0], padded[1, :131] = ids[0], ids[1, :131]
+    rows, _ = hasher.row_ids(padded, None)
+    cut = default_ced_cut(model.cfg)
+    want, _ = forward_chunk(model, C.init_cache(model.cfg, 2, 256), jnp.asarray(padded), jnp.asarray(rows, jnp.int32),
+                            jnp.array([150, 131]), options=ChunkOptions(ced_cut=cut))
+    np.testing.assert_allclose(np.asarray(state.logits), np.asarray(want), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), [150, 131])

@@ -1,0 +1,98 @@
+"""The grain pipeline: documents → tokens + Engram row ids → packed fixed-length rows → per-host batches.
+
+Per document: ``[BOS] + ids + [EOS]`` and its Engram row ids (spec model §6.5), hashed with a fresh history
+so n-grams never reach across documents. Packing is concat-then-split (grain's ``ConcatThenSplitIterDataset``):
+``segment_ids`` number the documents of a row from 1 (0 = padding) and ``positions`` restart at 0 in each
+piece. A document longer than a row is split deterministically; its later pieces start new segments.
+(The release uses best-fit packing, spec §9.4; concat-then-split wastes nothing but splits more.)
+
+The model has no document masking inside attention yet, so segment ids only shape the loss (no target across
+a document boundary) and packed documents can attend to their neighbours in a row; in-attention masking is
+left for later. Positions are returned for that later use; the model numbers positions 0..S-1 per row.
+
+Determinism: the document order is a seeded shuffle, each host takes every ``process_count``-th document,
+and the iterator state (``get_state`` / ``set_state``) resumes mid-epoch exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import grain
+import numpy as np
+from grain.experimental import ConcatThenSplitIterDataset
+
+from dsv41_jax.config import ConfigError, ModelConfig
+from dsv41_jax.engram_hash import EngramHasher
+
+
+class _Encode:
+    """Document text → {"tokens": int32 [n], "rows": int32 [n, L, C]} (a class so grain can name it)."""
+
+    def __init__(self, tokenizer_path: Path, cfg: ModelConfig, token_map: np.ndarray):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(tokenizer_path))
+        self.cfg = cfg
+        self.hasher = EngramHasher(cfg.engram, token_map) if cfg.engram.layer_ids else None
+
+    def __call__(self, text: str) -> dict[str, np.ndarray]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        tokens = np.asarray([self.cfg.bos_token_id, *ids, self.cfg.eos_token_id], np.int64)
+        out = {"tokens": tokens.astype(np.int32)}
+        if self.hasher is not None:
+            rows, _ = self.hasher.row_ids(tokens[None])  # [1, n, L, C] int64, fresh history (§6.5)
+            out["rows"] = rows[0].astype(np.int32)  # every table < 2**31 rows
+        return out
+
+
+def _rename(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = {"tokens": row["tokens"], "segment_ids": row["tokens_segment_ids"].astype(np.int32),
+           "positions": row["tokens_positions"].astype(np.int32)}
+    if "rows" in row:
+        out["engram_rows"] = row["rows"]
+    return out
+
+
+def packed_dataset(documents: list[str], tokenizer_path: Path, cfg: ModelConfig, token_map: np.ndarray, *,
+                   seq_len: int, batch_size: int, seed: int, process_index: int = 0,
+                   process_count: int = 1) -> grain.IterDataset:
+    """Endless per-host batches: tokens/segment_ids/positions int32 [b, S], engram_rows int32 [b, S, L, C].
+
+    ``batch_size`` is global; each of ``process_count`` hosts yields ``batch_size / process_count`` rows.
+    """
+    if batch_size % process_count:
+        raise ConfigError(f"data.batch_size {batch_size} is not divisible by the {process_count} hosts")
+    if len(documents) < process_count:
+        raise ConfigError(f"{len(documents)} documents cannot feed {process_count} hosts")
+    ds = grain.MapDataset.source(documents).shuffle(seed=seed)[process_index::process_count]
+    ds = ds.repeat(None).map(_Encode(tokenizer_path, cfg, token_map)).to_iter_dataset()
+    lengths = {"tokens": seq_len} | ({"rows": seq_len} if cfg.engram.layer_ids else {})
+    ds = ConcatThenSplitIterDataset(ds, length_struct=lengths)
+    return ds.map(_rename).batch(batch_size // process_count, drop_remainder=True)
+
+
+def loss_mask(segment_ids: np.ndarray) -> np.ndarray:
+    """bool [B, S]: position t has a target (t+1 is in the same document); the last column never does."""
+    seg = np.asarray(segment_ids)
+    nxt = np.concatenate([seg[:, 1:], np.zeros_like(seg[:, :1])], axis=1)
+    return (seg > 0) & (seg == nxt)
+
+
+@dataclasses.dataclass
+class DataState:
+    """The iterator and the documents it reads; ``state()``/``restore()`` go into every checkpoint."""
+
+    iterator: grain.DatasetIterator
+
+    def next(self, n: int) -> dict[str, np.ndarray]:
+        """``n`` batches stacked on a new leading axis (micro-batches of one optimizer step)."""
+        batches = [next(self.iterator) for _ in range(n)]
+        return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+    def state(self) -> dict:
+        return self.iterator.get_state()
+
+    def restore(self, state: dict) -> None:
+        self.iterator.set_state(state)

@@ -1,0 +1,200 @@
+"""``TrainConfig``: one YAML file describes a pre-training run (model, optimizer, mesh, data, checkpoints, logs).
+
+Strict like the model config (ARCHITECTURE.md decision 11): an unknown key, a wrong type or a mesh that the
+devices cannot hold is a :class:`ConfigError` that names the key and the file. ``key=value`` overrides use
+dotted keys (``optim.lr=1e-3``, ``model.moe.n_routed_experts=16``) and YAML-parsed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dsv41_jax import config as C
+from dsv41_jax.config import ConfigError, _build, _fail
+from dsv41_jax.optim import OptimConfig
+from dsv41_jax.optim import from_dict as optim_from_dict
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+AUTO = -1  # a mesh axis written `auto` takes every device the other axes leave
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = AUTO
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+    def shape(self, n_devices: int, source: str | None = None) -> tuple[int, ...]:
+        """Axis sizes for ``n_devices`` (``auto`` resolved); a mesh the devices cannot hold is an error."""
+        sizes = [getattr(self, a) for a in MESH_AXES]
+        fixed = math.prod(s for s in sizes if s != AUTO)
+        if AUTO in sizes:
+            if n_devices % fixed:
+                _fail(f"mesh: the fixed axes use {fixed} devices, which does not divide the {n_devices} "
+                      f"devices present (key 'mesh.{MESH_AXES[sizes.index(AUTO)]}' is auto)", source)
+            sizes[sizes.index(AUTO)] = n_devices // fixed
+        if math.prod(sizes) != n_devices:
+            _fail(f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices but "
+                  f"{n_devices} are present; set one of mesh.{'/'.join(MESH_AXES)} to auto", source)
+        return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # `embedded`: the Python standard library's own .py files (no download); `text`: one document per
+    # file; `jsonl`: one document per line, the text under `jsonl_key`
+    source: str = "embedded"
+    paths: tuple[str, ...] = ()
+    jsonl_key: str = "text"
+    max_documents: int = 2000  # cap on the documents read (the embedded corpus has ~1,000 files)
+    seq_len: int = 64
+    batch_size: int = 4  # global sequences per optimizer micro-step (split over hosts, then data×fsdp)
+    # `train`: train a byte-level BPE on the corpus on first use, cached in the checkpoint directory;
+    # otherwise a tokenizer.json path
+    tokenizer: str = "train"
+    tokenizer_train_documents: int = 300
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = "runs/pretrain_tiny"
+    every: int = 50  # steps between saves (0: only the final step)
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    every: int = 1
+    jsonl: str | None = None  # default: <checkpoint.dir>/metrics.jsonl
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: C.ModelConfig = field(default_factory=C.tiny)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    steps: int = 100
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0
+    remat: str = "none"  # none | full | dots: jax.checkpoint policy of the loss function
+
+    def replace(self, **changes) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.logging.jsonl or Path(self.checkpoint.dir) / "metrics.jsonl")
+
+
+_SECTIONS = {"mesh": MeshConfig, "data": DataConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+_SCALARS = {"steps": int, "grad_accum": int, "seed": int, "remat": str}
+
+
+def _mesh_dict(data: Any, source: str | None) -> Any:
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for k, v in data.items():
+        if v == "auto":
+            out[k] = AUTO
+        elif k in MESH_AXES and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            _fail(f"key 'mesh.{k}' must be a positive integer or auto, got {v!r}", source)
+    if sum(v == AUTO for v in out.values()) > 1:
+        _fail("mesh: at most one axis may be auto", source)
+    return out
+
+
+def from_dict(data: dict, source: str | None = None) -> TrainConfig:
+    """Strictly build a :class:`TrainConfig`; every error names the key and ``source``."""
+    if not isinstance(data, dict):
+        _fail(f"a train config must be a mapping, got {type(data).__name__}", source)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(str(k) for k in set(data) - names)
+    if unknown:
+        _fail(f"unknown key(s) {', '.join(unknown)}; valid keys here: {', '.join(sorted(names))}", source)
+    base = TrainConfig()
+    changes: dict[str, Any] = {}
+    if "model" in data:
+        changes["model"] = C.from_dict(data["model"] or {}, source)
+        if "preset" not in (data["model"] or {}):
+            _fail("key 'model.preset' is required (tiny or v41_flash): the other model keys override it", source)
+    if "optim" in data:
+        changes["optim"] = optim_from_dict(data["optim"] or {}, source)
+    for key, cls in _SECTIONS.items():
+        if key in data:
+            sub = _mesh_dict(data[key], source) if key == "mesh" else data[key]
+            changes[key] = _build(cls, sub or {}, getattr(base, key), f"{key}.", source)
+    for key, tp in _SCALARS.items():
+        if key in data:
+            changes[key] = C._check_type(data[key], tp, key, source)
+    cfg = dataclasses.replace(base, **changes)
+    validate(cfg, source)
+    return cfg
+
+
+def validate(cfg: TrainConfig, source: str | None = None) -> None:
+    d = cfg.data
+    if d.source not in ("embedded", "text", "jsonl"):
+        _fail(f"key 'data.source' must be embedded, text or jsonl, got {d.source!r}", source)
+    if d.source != "embedded" and not d.paths:
+        _fail(f"key 'data.paths' must list files (or globs) when data.source is {d.source}", source)
+    for key in ("seq_len", "batch_size", "max_documents", "tokenizer_train_documents"):
+        if getattr(d, key) < 1:
+            _fail(f"key 'data.{key}' must be ≥ 1, got {getattr(d, key)}", source)
+    if d.seq_len < 2:
+        _fail("key 'data.seq_len' must be ≥ 2 (a token and its target)", source)
+    for key in ("steps", "grad_accum"):
+        if getattr(cfg, key) < 1:
+            _fail(f"key '{key}' must be ≥ 1, got {getattr(cfg, key)}", source)
+    if cfg.remat not in ("none", "full", "dots"):
+        _fail(f"key 'remat' must be none, full or dots, got {cfg.remat!r}", source)
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1 or cfg.logging.every < 1:
+        _fail("need checkpoint.every ≥ 0, checkpoint.keep ≥ 1 and logging.every ≥ 1", source)
+    fixed = math.prod(getattr(cfg.mesh, a) for a in ("data", "fsdp") if getattr(cfg.mesh, a) != AUTO)
+    if d.batch_size % fixed:
+        _fail(f"key 'data.batch_size' ({d.batch_size}) must be divisible by mesh.data × mesh.fsdp ({fixed}): "
+              "the batch is split over both", source)
+
+
+def _set_dotted(data: dict, dotted: str, value: Any, source: str) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for i, p in enumerate(parents):
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            _fail(f"override {dotted!r}: '{'.'.join(parents[:i + 1])}' is not a section", source)
+        node = nxt
+    node[leaf] = value
+
+
+def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Load ``path`` and apply ``key=value`` overrides (values parsed as YAML: ``3``, ``1.0e-3``, ``[1, 2]``)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: cannot read YAML: {err}") from err
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        _fail("a train config must be a mapping of sections", str(path))
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"override {item!r}: expected key=value with a dotted key (optim.lr=1.0e-3)")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: cannot parse the value: {err}") from err
+        _set_dotted(data, key.strip(), value, f"{path} (override {item})")
+    source = f"{path} (with overrides {' '.join(overrides)})" if overrides else str(path)
+    return from_dict(data, source)

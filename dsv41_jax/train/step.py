@@ -1,0 +1,156 @@
+"""The jitted train step: packed next-token loss + MoE balance, gradient accumulation, optimizer, bias rule.
+
+Loss (per optimizer step, over all micro-batches): token-mean cross-entropy over positions whose next token
+is in the same document (the last token of every document and padding have no target), plus the V3-style
+sequence balance loss (spec model §5.3, weight ``optim.seq_balance_alpha``), computed per packed row.
+The router biases move by the aux-loss-free rule after the update, text and image biases each on their own
+modality's load (spec model §5.3, §9.1); they are not optimizer parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int
+
+from dsv41_jax.model.moe import RouterBias, Routing
+from dsv41_jax.model.transformer import Transformer
+from dsv41_jax.optim import OptimConfig, balance_loss, lr_at, optimizer, router_bias_update
+from dsv41_jax.sharding import state_partition_specs
+
+BATCH = ("data", "fsdp")  # mesh axes the batch is split over
+
+
+class TrainState(NamedTuple):
+    step: Int[Array, ""]
+    params: Any  # nnx.State of nnx.Param
+    biases: Any  # nnx.State of RouterBias
+    opt_state: Any
+
+
+def targets_and_mask(tokens: Int[Array, "B S"], segment_ids: Int[Array, "B S"]):
+    """Next token of every position and whether it counts (same document, not padding, not the last column)."""
+    nxt_tok = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    nxt_seg = jnp.concatenate([segment_ids[:, 1:], jnp.zeros_like(segment_ids[:, :1])], axis=1)
+    return nxt_tok, (segment_ids > 0) & (segment_ids == nxt_seg)
+
+
+def token_nll(logits: Float[Array, "B S V"], targets: Int[Array, "B S"]) -> Float[Array, "B S"]:
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+
+
+class StepFns(NamedTuple):
+    init: Any  # (model, opt cfg) -> TrainState, see make_state
+    step: Any  # jitted (TrainState, batch) -> (TrainState, metrics)
+    graphdef: Any
+    rest: Any
+
+
+def split_model(model: Transformer):
+    return nnx.split(model, nnx.Param, RouterBias, ...)
+
+
+def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.GradientTransformation,
+                    remat: str = "none"):
+    """The pure step ``(TrainState, batch) -> (TrainState, metrics)``; ``batch`` leaves are [A, b, ...]."""
+
+    def micro_loss(params, biases, mb, n_tok, n_micro):
+        model = nnx.merge(graphdef, params, biases, rest)
+        logits, aux = model(mb["tokens"], mb.get("engram_rows"), return_aux=True)  # [b, S, V]
+        targets, mask = targets_and_mask(mb["tokens"], mb["segment_ids"])
+        ce_sum = jnp.sum(token_nll(logits, targets) * mask)
+        bal = balance_loss(aux.routing, ocfg.seq_balance_alpha, mb["segment_ids"] > 0)
+        # token-mean over the whole step, so accumulation gives the full-batch gradient exactly
+        return ce_sum / n_tok + bal / n_micro, (ce_sum, bal, tuple(r.experts for r in aux.routing))
+
+    if remat != "none":
+        policy = jax.checkpoint_policies.dots_saveable if remat == "dots" else None
+        micro_loss = jax.checkpoint(micro_loss, policy=policy)
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        n_micro = batch["tokens"].shape[0]
+        mask = jax.vmap(targets_and_mask)(batch["tokens"], batch["segment_ids"])[1]
+        n_tok = jnp.maximum(mask.sum(), 1).astype(jnp.float32)
+
+        def accumulate(grads, mb):
+            (_, (ce_sum, bal, experts)), g = grad_fn(state.params, state.biases, mb, n_tok, n_micro)
+            return jax.tree.map(jnp.add, grads, g), (ce_sum, bal, experts)
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, (ce_sums, bals, experts) = jax.lax.scan(accumulate, zeros, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # the bias rule needs only the selections; micro-batches merge into one batch axis
+        routing = [Routing(e.reshape(-1, *e.shape[2:]), None, None) for e in experts]
+        valid = (batch["segment_ids"] > 0).reshape(-1, batch["segment_ids"].shape[-1])
+        biases = router_bias_update(state.biases, routing, ocfg.bias_update_speed, valid=valid)
+        ce = ce_sums.sum() / n_tok
+        bal = bals.mean()
+        metrics = {"loss": ce + bal, "ce": ce, "balance": bal, "grad_norm": optax.global_norm(grads),
+                   "lr": lr_at(state.step, ocfg), "tokens": n_tok, "imbalance": _imbalance(experts, valid,
+                                                                                            model_cfg)}
+        return TrainState(state.step + 1, params, biases, opt_state), metrics
+
+    return step
+
+
+def _imbalance(experts, valid: Bool[Array, "N S"], model_cfg) -> Float[Array, ""]:
+    """Max over MoE layers of (busiest expert's load / mean load): 1.0 is perfectly balanced."""
+    n = model_cfg.moe.n_routed_experts
+    out = []
+    for e in experts:
+        e = e.reshape(-1, *e.shape[2:])  # [N, S, K]
+        w = jnp.repeat(valid.reshape(-1).astype(jnp.float32), e.shape[-1])
+        load = jnp.bincount(e.reshape(-1), weights=w, length=n)
+        out.append(load.max() / jnp.maximum(load.mean(), 1e-9))
+    return jnp.max(jnp.stack(out))
+
+
+# ----------------------------------------------------------------------------------------------------
+# state creation and sharding
+
+
+def build_mesh(shape: tuple[int, ...], devices=None) -> jax.sharding.Mesh:
+    from dsv41_jax.train.config import MESH_AXES
+
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=devices)
+
+
+def state_shardings(model: Transformer, tx, mesh) -> tuple[TrainState, Any]:
+    """(NamedSharding tree of the TrainState, graph pieces) from the one table of ``dsv41_jax.sharding``."""
+    from dsv41_jax.optim import opt_state_partition_specs
+
+    graphdef, params, biases, rest = split_model(model)
+    named = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t, is_leaf=lambda x: isinstance(x, P))
+    p_specs = state_partition_specs(params, mesh=mesh)
+    o_specs = opt_state_partition_specs(tx, params, p_specs)
+    return TrainState(NamedSharding(mesh, P()), named(p_specs), named(state_partition_specs(biases, mesh=mesh)),
+                      named(o_specs)), (graphdef, rest)
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(None, BATCH))  # [A, B, ...]: micro-batch axis whole, batch over data×fsdp
+
+
+def init_state(model_cfg, ocfg: OptimConfig, mesh, seed: int, remat: str = "none"):
+    """A fresh TrainState placed by the sharding table, and the jitted step.
+
+    Initialisation runs eagerly then moves to the mesh: compiling an init program costs more than it saves
+    at the sizes this CPU path trains (a jitted, sharded init is what large models will need).
+    """
+    tx = optimizer(model_cfg, ocfg)
+    model = Transformer(model_cfg, rngs=nnx.Rngs(seed))
+    shardings, (graphdef, rest) = state_shardings(model, tx, mesh)
+    _, params, biases, _ = split_model(model)
+    state = jax.device_put(TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params)), shardings)
+    step = jax.jit(make_train_step(graphdef, rest, model_cfg, ocfg, tx, remat),
+                   in_shardings=(shardings, batch_sharding(mesh)), out_shardings=(shardings, None),
+                   donate_argnums=0)
+    return state, step, shardings

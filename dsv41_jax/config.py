@@ -291,8 +291,8 @@ def from_dict(data: dict, source: str | None = None) -> ModelConfig:
     return _build(ModelConfig, data, PRESETS[preset](), "", source)
 
 
-def load_yaml(path: str | Path, section: str | None = None) -> ModelConfig:
-    """Load a model config from YAML (optionally from one top-level ``section`` such as ``model``)."""
+def read_yaml(path: str | Path, section: str | None = None) -> Any:
+    """A YAML document (or one of its top-level sections), with errors that name the file."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -303,7 +303,12 @@ def load_yaml(path: str | Path, section: str | None = None) -> ModelConfig:
         if not isinstance(data, dict) or section not in data:
             raise ConfigError(f"{path}: missing top-level key '{section}'")
         data = data[section]
-    return from_dict(data, source=str(path))
+    return data
+
+
+def load_yaml(path: str | Path, section: str | None = None) -> ModelConfig:
+    """Load a model config from YAML (optionally from one top-level ``section`` such as ``model``)."""
+    return from_dict(read_yaml(path, section), source=str(path))
 
 
 def to_dict(cfg: ModelConfig) -> dict:

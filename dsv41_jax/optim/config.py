@@ -11,9 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from dsv41_jax.config import ConfigError, _build
+from dsv41_jax.config import ConfigError, _build, read_yaml
 
 
 @dataclass(frozen=True)
@@ -101,14 +99,4 @@ def from_dict(data: dict, source: str | None = None) -> OptimConfig:
 
 def load_yaml(path: str | Path, section: str | None = None) -> OptimConfig:
     """Load from YAML (optionally one top-level ``section``, e.g. ``optim`` of a training file)."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"{path}: cannot read YAML: {err}") from err
-    data = {} if data is None else data
-    if section is not None:
-        if not isinstance(data, dict) or section not in data:
-            raise ConfigError(f"{path}: missing top-level key '{section}'")
-        data = data[section]
-    return from_dict(data, source=str(path))
+    return from_dict(read_yaml(path, section), source=str(path))

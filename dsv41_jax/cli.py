@@ -168,6 +168,16 @@ def _cmd_sample(args) -> int:
     return 0
 
 
+def _cmd_train(args) -> int:
+    """Pre-train from a YAML run config (resumes from the latest checkpoint in checkpoint.dir)."""
+    from dsv41_jax.train.config import load
+    from dsv41_jax.train.loop import train
+
+    cfg = load(args.config, args.overrides)
+    train(cfg, source=args.config, stop_after=args.stop_after)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.set_defaults(fn=_cmd_sample)
+    p = sub.add_parser("train", help="pre-train from a YAML run config (model, optim, mesh, data, checkpoint)")
+    p.add_argument("--config", required=True, help="run config, e.g. configs/pretrain_tiny.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=1.0e-3")
+    p.add_argument("--stop-after", type=int, help="stop after this many steps of this invocation (resumable)")
+    p.set_defaults(fn=_cmd_train)
     return parser
 
 

@@ -21,11 +21,17 @@ def _pad_seq(x: jax.Array, length: int, value=0) -> jax.Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _band_mask(n_chunks: int, window: int) -> jax.Array:
-    """[c, W, 2W] bool: key j of chunk c's band (previous chunk + own chunk) is in query i's window."""
-    qpos = jnp.arange(n_chunks * window).reshape(n_chunks, window)
-    kpos = (jnp.arange(n_chunks)[:, None] - 1) * window + jnp.arange(2 * window)[None]
-    q, k = qpos[:, :, None], kpos[:, None, :]
+def _band_keys(n_chunks: int, block: int) -> jax.Array:
+    """[c, K] chunk-local position of each key of block c's band: the previous block (if any) + its own."""
+    if n_chunks == 1:
+        return jnp.arange(block)[None]
+    return (jnp.arange(n_chunks)[:, None] - 1) * block + jnp.arange(2 * block)[None]
+
+
+def _band_mask(n_chunks: int, block: int, window: int) -> jax.Array:
+    """[c, blk, K] bool: key j of block c's band is in query i's window (chunk-local positions)."""
+    q = jnp.arange(n_chunks * block).reshape(n_chunks, block)[:, :, None]
+    k = _band_keys(n_chunks, block)[:, None, :]
     return (k <= q) & (k > q - window) & (k >= 0)
 
 
@@ -51,36 +57,39 @@ def sparse_attention(
     read from ``compressed_kv`` or given already gathered as ``picked``. The per-head sink logit enters
     only the denominator. Logits and the denominator are fp32; probabilities are cast to the activation
     dtype before P·V (spec §3.6). No [S, T] mask is built: the chunk is processed in blocks of W queries
-    against their own and the previous block.
+    against their own and the previous block (one block of S queries when S ≤ W).
     """
     b, s, n, h = q.shape
     dt, scale = q.dtype, h ** -0.5
     start = jnp.zeros((b,), jnp.int32) if start is None else start
     floor = jnp.broadcast_to(jnp.asarray(replay_start, jnp.int32), (b,)) - start  # chunk-local replay start
-    nc = -(-s // window)
-    qc = _pad_seq(q, nc * window).reshape(b, nc, window, n, h)
-    kv = _pad_seq(window_kv, nc * window).reshape(b, nc, window, h)
-    band = jnp.concatenate([jnp.pad(kv[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0))), kv], axis=2)  # [B,c,2W,H]
-    kloc = (jnp.arange(nc)[:, None] - 1) * window + jnp.arange(2 * window)[None]  # [c, 2W] chunk-local
-    band_mask = _band_mask(nc, window)[None] & (kloc[None, :, None, :] >= floor[:, None, None, None])
+    # blocks of W queries see their own and the previous block; a chunk no longer than W (e.g. a decode
+    # step) is one block of its own length, so nothing is padded to W
+    blk = window if s > window else s
+    nc = -(-s // blk)
+    qc = _pad_seq(q, nc * blk).reshape(b, nc, blk, n, h)
+    kv = _pad_seq(window_kv, nc * blk).reshape(b, nc, blk, h)
+    band = kv if nc == 1 else jnp.concatenate([jnp.pad(kv[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0))), kv], axis=2)
+    kloc = _band_keys(nc, blk)  # [c, K] chunk-local
+    band_mask = _band_mask(nc, blk, window)[None] & (kloc[None, :, None, :] >= floor[:, None, None, None])
     parts = [(_logits("bcinh,bcjh->bcinj", qc, band, scale, band_mask[:, :, :, None, :]),
               lambda p: jnp.einsum("bcinj,bcjh->bcinh", p, band, preferred_element_type=jnp.float32))]
     if prefix_kv is not None:
-        qpos = start[:, None] + jnp.arange(nc * window)[None]  # [B, S']
+        qpos = start[:, None] + jnp.arange(nc * blk)[None]  # [B, S']
         kp = prefix_pos[:, None, :]
         mask = (kp >= 0) & (kp > qpos[..., None] - window) & (kp >= (floor + start)[:, None, None])
-        mask = mask.reshape(b, nc, window, 1, -1)
+        mask = mask.reshape(b, nc, blk, 1, -1)
         parts.append((_logits("bcinh,bph->bcinp", qc, prefix_kv, scale, mask),
                       lambda p: jnp.einsum("bcinp,bph->bcinh", p, prefix_kv, preferred_element_type=jnp.float32)))
     if topk is not None:
         if picked is None:
             picked = jax.vmap(lambda kv_, i: kv_[jnp.maximum(i, 0)])(compressed_kv, topk)  # [B, S, K, H]
-        pc = _pad_seq(picked, nc * window).reshape(b, nc, window, -1, h)
-        mask = (_pad_seq(topk, nc * window, value=-1) >= 0).reshape(b, nc, window, 1, -1)
+        pc = _pad_seq(picked, nc * blk).reshape(b, nc, blk, -1, h)
+        mask = (_pad_seq(topk, nc * blk, value=-1) >= 0).reshape(b, nc, blk, 1, -1)
         parts.append((_logits("bcinh,bcikh->bcink", qc, pc, scale, mask),
                       lambda p: jnp.einsum("bcink,bcikh->bcinh", p, pc, preferred_element_type=jnp.float32)))
     out = _softmax_with_sink(parts, sink, dt)
-    return out.reshape(b, nc * window, n, h)[:, :s].astype(dt)
+    return out.reshape(b, nc * blk, n, h)[:, :s].astype(dt)
 
 
 def _logits(spec: str, q: jax.Array, k: jax.Array, scale: float, mask: jax.Array) -> jax.Array:

@@ -1,0 +1,41 @@
+"""block_max: per-block maxima of the causally masked indexer scores with the newest block pinned, and
+the candidate block ids built from them (spec attention §6.1), equal to ``indexer.candidate_block_ids``.
+
+The pass over the scores [B, S, T] is the kernel; ``lax.top_k`` over the [B, S, T / block_size] maxima
+stays in XLA (no Pallas lowering of top_k on GPU). ``backend="xla"`` is the reference;
+``backend="pallas"`` picks Triton on GPU, Mosaic TPU on TPU, and the TPU kernel in interpret mode on
+CPU (for tests).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.block_max import gpu, reference, tpu
+
+BACKENDS = ("xla", "pallas")
+
+
+def block_max(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int, *,
+              backend: str = "xla") -> Float[Array, "B S NB"]:
+    """Block maxima (−∞ padded tail), block ``(n_p − 1) // block_size`` set to +∞ where n_p > 0."""
+    if backend not in BACKENDS:
+        raise ValueError(f"block_max: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "xla":
+        return reference.block_max(scores, n_visible, block_size)
+    platform = jax.default_backend()
+    if platform == "gpu":
+        return gpu.block_max(scores, n_visible, block_size)
+    return tpu.block_max(scores, n_visible, block_size, interpret=platform != "tpu")
+
+
+def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
+                        n_blocks: int, *, backend: str = "xla") -> Int[Array, "B S K"]:
+    """Kept blocks per query, ascending, −1 padded: exactly ``indexer.candidate_block_ids``."""
+    bmax = block_max(scores, n_visible, block_size, backend=backend)  # [B, S, NB]
+    nb = bmax.shape[-1]
+    vals, idx = jax.lax.top_k(bmax, min(n_blocks, nb))  # ties: lower block index, as the reference
+    ids = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)  # dropped blocks sort last
+    return jnp.where(ids < nb, ids, -1).astype(jnp.int32)

@@ -1,0 +1,5 @@
+"""FP4 packing of the main-KV (NVFP4) and index-key (MXFP4) cache formats; see ``api``."""
+
+from pallas_kernels.fp4_pack.api import BACKENDS, pack_mxfp4, pack_nvfp4
+
+__all__ = ["BACKENDS", "pack_mxfp4", "pack_nvfp4"]

@@ -93,7 +93,7 @@ def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.Grad
         biases = router_bias_update(state.biases, routing, ocfg.bias_update_speed, valid=valid)
         ce = ce_sums.sum() / n_tok
         bal = bals.mean()
-        metrics = {"loss": ce + bal, "ce": ce, "balance": bal, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": ce + bal, "ce": ce, "balance": bal, "grad_norm": optax.tree.norm(grads),
                    "lr": lr_at(state.step, ocfg), "tokens": n_tok, "imbalance": _imbalance(experts, valid,
                                                                                             model_cfg)}
         return TrainState(state.step + 1, params, biases, opt_state), metrics

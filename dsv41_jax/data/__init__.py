@@ -1,0 +1,1 @@
+"""Data for pre-training: documents, the trained tokenizer, and the grain packing pipeline."""

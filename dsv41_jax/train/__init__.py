@@ -1,0 +1,1 @@
+"""Pre-training: run config, train step, Orbax checkpoints, loop (``dsv41 train``)."""

@@ -1,0 +1,110 @@
+"""The pre-training loop: config → mesh → tokenizer + data → sharded state → steps → metrics and checkpoints.
+
+Resuming is the default: if the checkpoint directory holds a step, the state and the data iterator continue
+from it, so an interrupted run continues to the same losses as an uninterrupted one (fp32, CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dsv41_jax.config import ConfigError
+from dsv41_jax.data.corpus import read_documents
+from dsv41_jax.data.pipeline import DataState, packed_dataset
+from dsv41_jax.data.tokenizer import engram_consistent, load_or_train
+from dsv41_jax.train.checkpoint import RunCheckpointer
+from dsv41_jax.train.config import TrainConfig
+from dsv41_jax.train.step import batch_sharding, build_mesh, init_state
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a run holds between steps (tests drive it step by step)."""
+
+    cfg: TrainConfig
+    mesh: jax.sharding.Mesh
+    state: object
+    step_fn: Callable
+    data: DataState
+    checkpointer: RunCheckpointer
+    model_cfg: object
+    dataset: object  # the grain IterDataset behind ``data`` (a new iterator restarts it)
+
+    def next_batch(self, data: DataState | None = None) -> dict:
+        """The next optimizer step's global batch [A, B, ...], assembled from every host's rows."""
+        local = (data or self.data).next(self.cfg.grad_accum)  # this host's rows: [A, b, ...]
+        sharding = batch_sharding(self.mesh)
+        return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None] = print) -> Run:
+    """Build (or resume) the run described by ``cfg``; ``source`` names the config file in errors."""
+    mesh = build_mesh(cfg.mesh.shape(jax.device_count(), source))
+    per_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.data.batch_size % per_batch:
+        raise ConfigError(f"{source}: data.batch_size {cfg.data.batch_size} is not divisible by mesh data×fsdp "
+                          f"= {per_batch}")
+    run_dir = Path(cfg.checkpoint.dir)
+    d = cfg.data
+    docs = read_documents(d.source, d.paths, d.max_documents, d.jsonl_key)
+    tok_path, token_map = load_or_train(d.tokenizer, run_dir / "tokenizer.json", cfg.model,
+                                        docs[: d.tokenizer_train_documents])
+    model_cfg = engram_consistent(cfg.model, token_map)
+    log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
+        f"{len(docs)} documents; tokenizer {tok_path} (engram.compressed_vocab_size "
+        f"{model_cfg.engram.compressed_vocab_size})")
+    state, step_fn, _ = init_state(model_cfg, cfg.optim, mesh, cfg.seed, cfg.remat)
+    ds = packed_dataset(docs, tok_path, model_cfg, token_map, seq_len=d.seq_len, batch_size=d.batch_size,
+                        seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count())
+    data = DataState(iter(ds))
+    ck = RunCheckpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
+    latest = ck.latest_step()
+    if latest is not None:
+        state, data_state = ck.restore(latest, state)
+        data.restore(data_state)
+        log(f"resumed from {ck.dir / str(latest)} (step {latest})")
+    return Run(cfg, mesh, state, step_fn, data, ck, model_cfg, ds)
+
+
+def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None = None,
+          log: Callable[[str], None] = print) -> list[dict]:
+    """Run to ``cfg.steps`` (or ``stop_after`` more steps); returns the logged metrics."""
+    run = setup(cfg, source, log)
+    history: list[dict] = []
+    start = int(run.state.step)
+    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    cfg.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.grad_accum
+    tick = time.perf_counter()
+    with cfg.metrics_path.open("a") as sink:
+        for step in range(start + 1, end + 1):
+            run.state, metrics = run.step_fn(run.state, run.next_batch())
+            if step % cfg.logging.every == 0 or step == end:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                done = step - (history[-1]["step"] if history else start)
+                m |= {"step": step, "step_s": (now - tick) / done,
+                      "tokens_per_s": tokens_per_step * done / (now - tick)}
+                tick = now
+                history.append(m)
+                if jax.process_index() == 0:
+                    sink.write(json.dumps(m) + "\n")
+                    sink.flush()
+                    log(f"step {step:5d}  loss {m['loss']:.4f}  ce {m['ce']:.4f}  bal {m['balance']:.2e}  "
+                        f"|g| {m['grad_norm']:.3f}  lr {m['lr']:.2e}  imb {m['imbalance']:.2f}  "
+                        f"{m['tokens_per_s']:.0f} tok/s  {m['step_s']:.2f} s/step")
+            if run.checkpointer.should_save(step, step == end):
+                run.checkpointer.save(step, run.state, run.data.state(), dataclasses.asdict(cfg))
+    run.checkpointer.close()
+    return history
+
+
+def losses(history: list[dict]) -> np.ndarray:
+    return np.asarray([m["loss"] for m in history])

@@ -1,0 +1,71 @@
+"""The 8-device half of ``test_sharded_step.py``: run with 8 fake CPU devices (started by conftest.py).
+
+One train step of the tiny model on a data × fsdp × expert = 2 × 2 × 2 mesh and on one device, from the same
+initial state and batch. Prints one JSON line: loss / parameter / bias differences, and the collectives in the
+compiled sharded step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import numpy as np
+
+from dsv41_jax import config as C
+from dsv41_jax.optim import OptimConfig, label_of
+from dsv41_jax.optim.labels import path_name
+from dsv41_jax.train.step import batch_sharding, build_mesh, init_state
+
+A, B, S = 1, 4, 16
+
+
+def batch(cfg) -> dict:
+    rng = np.random.default_rng(0)
+    seg = np.ones((A, B, S), np.int32)
+    seg[..., S // 2:] = 2  # two documents per row
+    rows = np.stack([rng.integers(0, n, (A, B, S, cfg.engram.n_columns)) for n in cfg.engram.num_embeddings], 3)
+    return {"tokens": rng.integers(0, cfg.vocab_size, (A, B, S)).astype(np.int32), "segment_ids": seg,
+            "engram_rows": rows.astype(np.int32)}
+
+
+def one_step(cfg, ocfg, mesh, data):
+    state, step, _ = init_state(cfg, ocfg, mesh, seed=0)
+    data = jax.device_put(data, batch_sharding(mesh))
+    hlo = step.lower(state, data).compile().as_text()
+    new, metrics = step(state, data)
+    return jax.device_get(new), jax.device_get(metrics), hlo
+
+
+def main():
+    assert jax.device_count() == 8, jax.devices()
+    cfg = C.tiny().replace(dtype="float32")
+    # Adam's ε = 1e-20 (spec §9.1) makes its first update lr·sign(g) even where g is zero up to reduction-order
+    # noise (~1e-12), which the two layouts sum differently; ε = 1e-8 keeps this comparison well conditioned
+    ocfg = OptimConfig(lr=2e-3, warmup_steps=2, constant_until=100, decay_until=200, total_steps=300,
+                       adam_eps=1e-8)
+    data = batch(cfg)
+    single, m1, _ = one_step(cfg, ocfg, build_mesh((1, 1, 1, 1), devices=jax.devices()[:1]), data)
+    sharded, m8, hlo = one_step(cfg, ocfg, build_mesh((2, 2, 2, 1)), data)
+    diff = lambda a, b: max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+                            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    per_param = {path_name(p): float(np.abs(np.asarray(x) - np.asarray(y)).max()) for (p, x), y in
+                 zip(jax.tree_util.tree_flatten_with_path(single.params)[0], jax.tree.leaves(sharded.params),
+                     strict=True)}
+    by_group: dict[str, float] = {}
+    for name, d in per_param.items():
+        by_group[label_of(name)] = max(by_group.get(label_of(name), 0.0), d)
+    moved = diff(single.params, init_state(cfg, ocfg, build_mesh((1, 1, 1, 1), devices=jax.devices()[:1]), 0)[0]
+                 .params)
+    ops = sorted(set(re.findall(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\b", hlo)))
+    print(json.dumps({"loss": [float(m1["loss"]), float(m8["loss"])], "grad_norm": [float(m1["grad_norm"]),
+                      float(m8["grad_norm"])], "params_diff": by_group,
+                      "params_moved": moved,
+                      "worst_param": max(per_param, key=per_param.get), "lr": float(m1["lr"]),
+                      "biases_diff": diff(single.biases, sharded.biases),
+                      "opt_diff": diff(single.opt_state, sharded.opt_state), "collectives": ops}))
+
+
+if __name__ == "__main__":
+    main()

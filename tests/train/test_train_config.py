@@ -1,0 +1,72 @@
+"""TrainConfig is strict: unknown keys, wrong types and impossible meshes are errors naming key and file;
+every run config in configs/ parses; dotted overrides reach nested keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dsv41_jax.config import ConfigError
+from dsv41_jax.train.config import AUTO, MeshConfig, load
+
+REPO = Path(__file__).resolve().parents[2]
+PRETRAIN = REPO / "configs" / "pretrain_tiny.yaml"
+
+
+def _write(tmp_path, data) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_pretrain_tiny_parses():
+    cfg = load(PRETRAIN)
+    assert cfg.model.dim == 64 and cfg.model.dtype == "float32"
+    assert cfg.mesh.data == AUTO and cfg.data.source == "embedded" and cfg.data.tokenizer == "train"
+    assert cfg.optim.seq_balance_alpha == 1e-4
+
+
+def test_overrides_reach_nested_keys():
+    cfg = load(PRETRAIN, ["optim.lr=1.0e-3", "model.moe.n_routed_experts=16", "steps=7", "mesh.fsdp=2",
+                          "data.paths=[a.txt]", "data.source=text"])
+    assert (cfg.optim.lr, cfg.model.moe.n_routed_experts, cfg.steps, cfg.mesh.fsdp) == (1e-3, 16, 7, 2)
+    assert cfg.data.paths == ("a.txt",)
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"model": {"preset": "tiny"}, "optimizer": {}}, "unknown key.*optimizer"),
+    ({"model": {"preset": "tiny"}, "data": {"seq_length": 3}}, r"data\.seq_length"),
+    ({"model": {"preset": "tiny", "dimm": 3}}, "dimm"),
+    ({"model": {"preset": "tiny"}, "optim": {"lr": "fast"}}, "'lr' must be a number"),
+    ({"model": {"preset": "tiny"}, "steps": 1.5}, "'steps' must be an integer"),
+    ({"model": {"preset": "tiny"}, "mesh": {"data": "auto", "fsdp": "auto"}}, "at most one axis"),
+    ({"model": {"preset": "tiny"}, "mesh": {"expert": 0}}, r"mesh\.expert"),
+    ({"model": {"preset": "tiny"}, "mesh": {"data": 3}}, r"data\.batch_size.*divisible"),
+    ({"model": {"preset": "tiny"}, "data": {"source": "parquet"}}, r"data\.source"),
+    ({"model": {"preset": "tiny"}, "remat": "some"}, "remat"),
+    ({"model": {"dim": 8}}, r"model\.preset"),
+])
+def test_rejects_with_key_and_file(tmp_path, data, match):
+    path = _write(tmp_path, data)
+    with pytest.raises(ConfigError, match=match) as err:
+        load(path)
+    assert str(path) in str(err.value)
+
+
+def test_bad_override_names_the_override():
+    with pytest.raises(ConfigError, match="optim.lrr"):
+        load(PRETRAIN, ["optim.lrr=1.0"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load(PRETRAIN, ["steps"])
+
+
+def test_mesh_shapes():
+    assert MeshConfig().shape(8) == (8, 1, 1, 1)
+    assert MeshConfig(data=AUTO, fsdp=2, expert=2).shape(8) == (2, 2, 2, 1)
+    assert MeshConfig(data=1, fsdp=2, expert=2, tensor=2).shape(8) == (1, 2, 2, 2)
+    with pytest.raises(ConfigError, match="needs 4 devices but 8"):
+        MeshConfig(data=1, fsdp=2, expert=2, tensor=1).shape(8, "run.yaml")
+    with pytest.raises(ConfigError, match="does not divide"):
+        MeshConfig(data=AUTO, fsdp=3).shape(8, "run.yaml")

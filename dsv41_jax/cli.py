@@ -178,6 +178,13 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _add_checkpoint_source(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", "--checkpoint", dest="ckpt", help="an Orbax checkpoint written by `dsv41 convert`")
+    src.add_argument("--hf-dir", help="a release-format Hugging Face directory (config.json, index, shards, "
+                     "tokenizer.json)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,9 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="v41_flash")
     p.set_defaults(fn=_cmd_params)
     p = sub.add_parser("score", help="run a release-format HF checkpoint and compare with reference outputs")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf-dir", help="directory with config.json, index, shards, tokenizer.json")
-    src.add_argument("--ckpt", "--checkpoint", dest="ckpt", help="an Orbax checkpoint written by `dsv41 convert`")
+    _add_checkpoint_source(p)
     p.add_argument("--param-dtype", choices=["float32", "bfloat16"],
                    help="with --ckpt: parameter dtype (default: float32 for fp32 conversions, else bfloat16)")
     ids = p.add_mutually_exclusive_group(required=True)
@@ -221,9 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="v41_flash")
     p.set_defaults(fn=_cmd_ledger)
     p = sub.add_parser("sample", help="generate from a converted (Orbax) or release-format checkpoint")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--ckpt", "--checkpoint", dest="ckpt", help="an Orbax checkpoint written by `dsv41 convert`")
-    src.add_argument("--hf-dir", help="a release-format Hugging Face directory")
+    _add_checkpoint_source(p)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", action="append", help="text prompt (repeat for a batch)")
     group.add_argument("--ids", action="append", help="comma-separated token ids (repeat for a batch)")

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from dsv41_jax import config as C
-from dsv41_jax.config import ConfigError, _build, _fail
+from dsv41_jax.config import ConfigError, _build, _fail, read_yaml
 from dsv41_jax.optim import OptimConfig
 from dsv41_jax.optim import from_dict as optim_from_dict
 
@@ -180,11 +180,7 @@ def _set_dotted(data: dict, dotted: str, value: Any, source: str) -> None:
 def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Load ``path`` and apply ``key=value`` overrides (values parsed as YAML: ``3``, ``1.0e-3``, ``[1, 2]``)."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"{path}: cannot read YAML: {err}") from err
-    data = {} if data is None else data
+    data = read_yaml(path)
     if not isinstance(data, dict):
         _fail("a train config must be a mapping of sections", str(path))
     for item in overrides:

@@ -65,7 +65,9 @@ def div_rn_by_short(x, d):
     up = (low > half) | ((low == half) & ((rem != 0) | ((kept & 1) == 1)))
     mag = (kept + up.astype(jnp.int32)).astype(jnp.float32) * _pow2(jnp.clip(ex - ed - 26 + shift, -126, 127))
     mag = jnp.where(ex == 0, 0.0, mag)  # zero and flushed subnormals
-    return jnp.where(xb < 0, -mag, mag)
+    # the sign bit of x is ORed in (not ``where(x < 0, -mag, mag)``): a negative x whose quotient rounds to
+    # zero must give -0, and Triton folds the negation of a zero away
+    return lax.bitcast_convert_type(_bits(mag) | ((xb >> 31) << 31), jnp.float32)
 
 
 def e4m3_rn(a):

@@ -1,11 +1,14 @@
 """MoE: sqrtsoftplus router with selection biases, clamped-SwiGLU experts, one shared expert (spec model §5).
 
-Routed experts are computed with a grouped matmul over tokens sorted by expert (``lax.ragged_dot``), the
-portable path; faster GPU paths and expert parallelism plug in behind :func:`routed_experts`.
+Routed experts are computed with a grouped matmul over tokens sorted by expert (``lax.ragged_dot``). Under
+:func:`expert_parallel` with a mesh whose ``expert`` axis has several devices, each device holds only its slice
+of the experts and :func:`routed_experts_ep` exchanges tokens instead of weights (``shard_map``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import NamedTuple
 
 import jax
@@ -102,23 +105,98 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 def routed_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: Float[Array, "T K"],
                    module: Experts, limit: float) -> Float[Array, "T D"]:
     """Σ_k weight_k · Expert_{e_k}(x) in fp32, by sorting token copies by expert and a grouped matmul."""
-    t, k = experts.shape
-    n = module.w1.weight.shape[0]
     dt = x.dtype
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    w1, w2, w3 = (m.dense(dt) for m in (module.w1, module.w2, module.w3))
+    return _local_experts(x, experts, weights, w1, w2, w3, limit, first=0)
+
+
+def _local_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: Float[Array, "T K"],
+                   w1: Array, w2: Array, w3: Array, limit: float, first) -> Float[Array, "T D"]:
+    """The contribution of experts ``first .. first + n − 1`` (the rows of ``w1``/``w2``/``w3``) to every token.
+
+    Token copies routed elsewhere sort after the local groups; ``ragged_dot`` leaves rows past the last group
+    zero, so they add nothing.
+    """
+    t, k = experts.shape
+    n = w1.shape[0]
+    local = experts.reshape(-1) - first
+    key = jnp.where((local >= 0) & (local < n), local, n)
+    order = jnp.argsort(key, stable=True)
     token = order // k
-    sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
+    sizes = jnp.bincount(key, length=n + 1)[:n].astype(jnp.int32)
     xs = x[token]  # [T·K, D]
 
-    def grouped(lhs, w: StackedLinear):  # [E, out, in] -> rhs [E, in, out]
-        return jax.lax.ragged_dot(lhs, jnp.swapaxes(w.dense(dt), 1, 2), sizes,
-                                  preferred_element_type=jnp.float32)
+    def grouped(lhs, w):  # [E, out, in] -> rhs [E, in, out]
+        return jax.lax.ragged_dot(lhs, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=jnp.float32)
 
-    act = clamped_swiglu(grouped(xs, module.w1), grouped(xs, module.w3), limit)
-    act = act * weights.reshape(-1)[order][:, None]  # routing weight before w2 (spec §5.2)
-    out = grouped(act.astype(dt), module.w2)
+    act = clamped_swiglu(grouped(xs, w1), grouped(xs, w3), limit)
+    mine = (key[order] < n)[:, None]
+    act = jnp.where(mine, act * weights.reshape(-1)[order][:, None], 0.0)  # routing weight before w2 (§5.2)
+    out = grouped(act.astype(x.dtype), w2)
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token].add(out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# expert parallelism
+
+_EP_MESH: contextvars.ContextVar = contextvars.ContextVar("dsv41_expert_parallel_mesh", default=None)
+TOKEN_AXES = ("data", "fsdp", "expert")  # mesh axes that may split the tokens entering an MoE layer
+
+
+@contextlib.contextmanager
+def expert_parallel(mesh: jax.sharding.Mesh | None):
+    """Trace MoE layers expert-parallel over ``mesh``'s ``expert`` axis (no-op if it has one device).
+
+    Read at trace time: wrap the body of the jitted function (the train step, the engine's forward), not the
+    call site of an already compiled one.
+    """
+    token = _EP_MESH.set(mesh if mesh is not None and mesh.shape.get("expert", 1) > 1 else None)
+    try:
+        yield
+    finally:
+        _EP_MESH.reset(token)
+
+
+def routed_experts_ep(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: Float[Array, "T K"],
+                      module: Experts, limit: float, mesh: jax.sharding.Mesh) -> Float[Array, "T D"]:
+    """:func:`routed_experts` with the experts split over ``mesh``'s ``expert`` axis (``shard_map``).
+
+    Tokens are split over as many of ``TOKEN_AXES`` as divide them. Each device gathers the tokens of its
+    ``expert`` group (all-gather), runs its own experts on the copies routed to them, and the partial outputs
+    are summed back onto the tokens' owners (reduce-scatter). If the tokens cannot be split over ``expert``
+    (e.g. decode at batch 1), every device of a group holds all of them and the partial outputs are all-reduced.
+    Exact: the same products as :func:`routed_experts`; only the fp32 sum over a token's experts is ordered
+    differently. Traffic per MoE layer is 2·T·D per device, against T·K·D for an all-to-all dispatch: less
+    while the ``expert`` axis is no larger than K.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    n_ep = mesh.shape["expert"]
+    n = module.w1.weight.shape[0]
+    if n % n_ep:
+        raise ValueError(f"{n} routed experts do not split over the mesh's expert axis of {n_ep} devices")
+    axes, size = [], 1
+    for a in TOKEN_AXES:
+        if x.shape[0] % (size * mesh.shape[a]) == 0:
+            axes.append(a)
+            size *= mesh.shape[a]
+    split = "expert" in axes
+    tok = P(tuple(axes) or None)
+    dt = x.dtype
+    ws = tuple(m.dense(dt) for m in (module.w1, module.w2, module.w3))
+
+    def body(x, e, w, w1, w2, w3):
+        if split:
+            x, e, w = (jax.lax.all_gather(v, "expert", axis=0, tiled=True) for v in (x, e, w))
+        first = jax.lax.axis_index("expert") * w1.shape[0]
+        y = _local_experts(x, e, w, w1, w2, w3, limit, first)
+        if split:
+            return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, "expert")
+
+    wspec = P("expert", None, None)
+    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec), out_specs=tok,
+                         check_vma=False)(x, experts, weights, *ws)
 
 
 class MoE(nnx.Module):
@@ -134,7 +212,9 @@ class MoE(nnx.Module):
         b, s, d = x.shape
         routing = self.gate(x, is_image)
         flat = x.reshape(b * s, d)
-        y = routed_experts(flat, routing.experts.reshape(b * s, -1), routing.weights.reshape(b * s, -1),
-                           self.experts, self.cfg.swiglu_limit)
+        mesh = _EP_MESH.get()
+        args = (flat, routing.experts.reshape(b * s, -1), routing.weights.reshape(b * s, -1), self.experts,
+                self.cfg.swiglu_limit)
+        y = routed_experts(*args) if mesh is None else routed_experts_ep(*args, mesh)
         y = y + self.shared_experts(flat, self.cfg.swiglu_limit).astype(jnp.float32)
         return y.reshape(b, s, d).astype(x.dtype), routing

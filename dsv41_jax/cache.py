@@ -154,14 +154,19 @@ def ledger(cfg: ModelConfig, max_seq_len: int = 8192) -> dict[str, float]:
 # sequence-sharded too (long contexts)
 
 
-def cache_partition_specs(cache: Cache, mesh: jax.sharding.Mesh | None = None, *, batch_axis: str = "data",
-                          sequence_axis: str | None = None):
-    """A :class:`Cache`-shaped pytree of PartitionSpecs: batch over ``batch_axis``; the global (compressed)
-    caches' entry axis over ``sequence_axis`` if given. An axis that does not divide is left replicated."""
+def cache_partition_specs(cache: Cache, mesh: jax.sharding.Mesh | None = None, *,
+                          batch_axis: str | tuple[str, ...] = "data", sequence_axis: str | None = None):
+    """A :class:`Cache`-shaped pytree of PartitionSpecs: batch over ``batch_axis`` (one mesh axis or several);
+    the global (compressed) caches' entry axis over ``sequence_axis`` if given. An axis that does not divide
+    is left replicated."""
+    import math
+
     from jax.sharding import PartitionSpec as P
 
     def fits(axis, size):
-        return axis is not None and (mesh is None or size % mesh.shape[axis] == 0)
+        if axis is None or mesh is None:
+            return axis is not None
+        return size % math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis)) == 0
 
     def spec(x, seq: bool):
         b = batch_axis if fits(batch_axis, x.shape[0]) else None

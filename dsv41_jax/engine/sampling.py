@@ -21,7 +21,10 @@ from dsv41_jax import cache as C
 from dsv41_jax.engine.prefill import check_ced_cut, default_ced_cut
 from dsv41_jax.engine.step import ChunkOptions, forward_chunk
 from dsv41_jax.engram_device import DeviceEngram, device_history_init, device_row_ids
+from dsv41_jax.model.moe import expert_parallel
 from dsv41_jax.model.transformer import Transformer
+
+SERVE_BATCH = ("data", "expert")  # mesh axes the sequences of a batch are split over when serving
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,16 @@ class Generator:
     """Compiled prefill and decode for one model, batch size and ``max_seq_len``."""
 
     def __init__(self, model: Transformer, tables: DeviceEngram, batch: int, max_seq_len: int,
-                 sampling: SamplingConfig):
+                 sampling: SamplingConfig, mesh: jax.sharding.Mesh | None = None):
+        """``mesh``: place the weights by the sharding table (experts over ``expert``, ...), split the
+        sequences over ``data``×``expert`` where the batch divides, and run MoE layers expert-parallel."""
         self.cfg, self.tables, self.batch = model.cfg, tables, batch
-        self.max_seq_len, self.sampling = max_seq_len, sampling
+        self.max_seq_len, self.sampling, self.mesh = max_seq_len, sampling, mesh
         graphdef, state = nnx.split(model)
+        if mesh is not None:
+            from dsv41_jax.sharding import state_partition_specs
+
+            state = jax.device_put(state, _named(mesh, state_partition_specs(state, mesh=mesh)))
         self.state = state
         # (options of non-final chunks, options of the final chunk)
         self._chunk_options = (ChunkOptions(), ChunkOptions())
@@ -85,11 +94,17 @@ class Generator:
 
         def prefill_chunk(state, cache, history, n_seen, tokens, n_new, opts):
             rows, _, _ = device_row_ids(tables, history, n_seen, tokens)  # padding rows: computed, never used
-            logits, cache = forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, n_new, options=opts)
+            with expert_parallel(mesh):
+                logits, cache = forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, n_new,
+                                              options=opts)
             return logits, cache, *_advance_history(tables, history, n_seen, tokens, n_new)
 
+        def decode_block(state, s):
+            with expert_parallel(mesh):
+                return self._decode_block(nnx.merge(graphdef, state), s)
+
         self._prefill = jax.jit(prefill_chunk, static_argnums=6)
-        self._decode = jax.jit(lambda state, s: self._decode_block(nnx.merge(graphdef, state), s))
+        self._decode = jax.jit(decode_block)
 
     def _decode_block(self, model: Transformer, s: DecodeState):
         cfg, b = self.sampling, self.batch
@@ -122,6 +137,9 @@ class Generator:
         chunk = self.sampling.prefill_chunk
         n_chunks = -(-int(lengths.max()) // chunk)
         cache = C.init_cache(self.cfg, self.batch, self.max_seq_len)
+        if self.mesh is not None:
+            cache = jax.device_put(cache, _named(self.mesh, C.cache_partition_specs(cache, self.mesh,
+                                                                                      batch_axis=SERVE_BATCH)))
         history, n_seen = device_history_init(self.tables, self.batch)
         logits = None
         for k in range(n_chunks):
@@ -154,6 +172,12 @@ class Generator:
             for i, row in enumerate(block):
                 outs[i].extend(int(t) for t in row if t >= 0)
         return outs
+
+
+def _named(mesh, specs):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def _advance_history(tables: DeviceEngram, history: Array, n_seen: Array, tokens: Array, n_new: Array):

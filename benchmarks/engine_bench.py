@@ -1,6 +1,7 @@
 """Decode and prefill timings of the inference engine on a config with the release's layer structure.
 
 Prints one JSON line per measurement. Usage: python benchmarks/engine_bench.py decode|prefill|parts|cost ...
+[--mesh DxFxExT] (decode: weights placed by the sharding table, sequences over data×expert, MoE expert-parallel).
 Sizes: the release's attention and indexer geometry (64 heads × 512, index 32 × 128, top-k 512, window 128,
 2048 candidate blocks of 8) and all 40 layers with their roles; a narrower residual (dim 2048) and fewer,
 smaller experts so that it fits one H200 in bf16.
@@ -43,42 +44,66 @@ def timeit(fn, *args, reps=10):
     return float(np.median(times)), out
 
 
-def build(cfg):
-    """Random weights drawn leaf by leaf on the device (one small program per distinct shape; a single
-    jitted construction compiles one threefry per parameter and takes minutes at 40 layers)."""
+def build(cfg, mesh=None):
+    """Random weights drawn leaf by leaf on the device (one small program per distinct shape and sharding; a
+    single jitted construction compiles one threefry per parameter and takes minutes at 40 layers). With a
+    ``mesh`` each leaf is drawn already sharded by the sharding table (``dsv41_jax.sharding``)."""
+    from jax.sharding import NamedSharding
+
     from dsv41_jax.checkpoint.tree import flat_variables
     from dsv41_jax.model.transformer import abstract_model
+    from dsv41_jax.sharding import logical_to_mesh
 
     model = abstract_model(cfg)
     key = jax.random.key(0)
+    fns = {}
     for i, (name, var) in enumerate(sorted(flat_variables(model).items())):
-        shape, dtype = var.shape, var.dtype
-        if len(shape) >= 2:
-            value = jax.random.normal(jax.random.fold_in(key, i), shape, dtype) * shape[-1] ** -0.5
-        elif any(t in name for t in ("bias", "sink", "base")):
-            value = jnp.zeros(shape, dtype)
-        else:
-            value = jnp.ones(shape, dtype)
-        var.set_value(value)
+        shape, dtype = tuple(var.shape), var.dtype
+        kind = "normal" if len(shape) >= 2 else "zeros" if any(t in name for t in ("bias", "sink", "base")) \
+            else "ones"
+        axes = var.get_metadata().get("out_sharding")
+        sharding = None
+        if mesh is not None:
+            spec = logical_to_mesh(tuple(axes), shape=shape, mesh=mesh) if axes else jax.sharding.PartitionSpec()
+            sharding = NamedSharding(mesh, spec)
+        sig = (kind, shape, str(dtype), sharding)
+        if sig not in fns:
+            def draw(k, kind=kind, shape=shape, dtype=dtype):
+                if kind == "normal":
+                    return (jax.random.normal(k, shape, jnp.float32) * shape[-1] ** -0.5).astype(dtype)
+                return (jnp.zeros if kind == "zeros" else jnp.ones)(shape, dtype)
+            fns[sig] = jax.jit(draw, out_shardings=sharding)
+        var.set_value(fns[sig](jax.random.fold_in(key, i)))
     return nnx.split(model)
 
 
-def decode(graphdef, state, cfg, contexts, batches):
+def decode(graphdef, state, cfg, contexts, batches, mesh=None):
+    from dsv41_jax.engine.sampling import SERVE_BATCH, _named
+    from dsv41_jax.model.moe import expert_parallel
+
     rows_per = [n for n in cfg.engram.num_embeddings]
+
+    def one_step(st, c, t, r):
+        with expert_parallel(mesh):
+            return forward_chunk(nnx.merge(graphdef, st), c, t, r, jnp.ones((t.shape[0],), jnp.int32))
+
     for b in batches:
         for ctx in contexts:
             cache = C.init_cache(cfg, b, ctx + 128)
             cache = cache._replace(lengths=jnp.full((b,), ctx, jnp.int32))  # cost depends on shapes, not values
+            if mesh is not None:
+                cache = jax.device_put(cache, _named(mesh, C.cache_partition_specs(cache, mesh,
+                                                                                   batch_axis=SERVE_BATCH)))
             tokens = jnp.ones((b, 1), jnp.int32)
             rows = jnp.stack([jnp.full((b, 1, cfg.engram.n_columns), r // 2, jnp.int32) for r in rows_per], 2)
-            step = jax.jit(lambda st, c, t, r: forward_chunk(nnx.merge(graphdef, st), c, t, r,
-                                                             jnp.ones((t.shape[0],), jnp.int32)))
+            step = jax.jit(one_step)
             t0 = time.perf_counter()
             jax.block_until_ready(step(state, cache, tokens, rows))
             compile_s = time.perf_counter() - t0
             sec, _ = timeit(step, state, cache, tokens, rows)
             cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
-            print(json.dumps({"bench": "decode_step", "batch": b, "context": ctx, "ms": sec * 1e3,
+            print(json.dumps({"bench": "decode_step", "mesh": None if mesh is None else dict(mesh.shape),
+                              "batch": b, "context": ctx, "ms": sec * 1e3,
                               "tokens_per_s": b / sec, "compile_s": compile_s, "cache_GB": cache_bytes / 1e9}),
                   flush=True)
             del cache
@@ -168,6 +193,13 @@ def cost(cfg, lengths):
 
 
 if __name__ == "__main__":
+    mesh = None
+    for arg in [a for a in sys.argv if a.startswith("--mesh=")]:
+        from dsv41_jax.train.step import build_mesh
+
+        sys.argv.remove(arg)
+        shape = tuple(int(x) for x in arg.split("=")[1].split("x"))
+        mesh = build_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
     what = sys.argv[1] if len(sys.argv) > 1 else "decode"
     cfg = bench_config()
     print(json.dumps({"device": str(jax.devices()[0]), "jax": jax.__version__, "config": "release layers, dim 2048, "
@@ -178,10 +210,11 @@ if __name__ == "__main__":
     if what == "cost":
         cost(cfg, [int(x) for x in sys.argv[2].split(",")])
         sys.exit()
-    graphdef, state = build(cfg)
+    graphdef, state = build(cfg, mesh)
     n_params = sum(x.size for x in jax.tree.leaves(state))
     print(json.dumps({"params_B": n_params / 1e9}), flush=True)
     if what == "decode":
-        decode(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")])
+        decode(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")],
+               mesh)
     elif what == "prefill":
         prefill(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")])

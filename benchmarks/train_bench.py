@@ -1,0 +1,190 @@
+"""Train-step throughput (tokens/s, MFU) and multi-device equality on accelerators.
+
+    python benchmarks/train_bench.py throughput CONFIG --meshes 1x1x1x1,2x1x1x1,1x1x2x1 [--seq 8192]
+        [--batch-per-device 1] [--experts N] [--remat none] [--steps 5]
+    python benchmarks/train_bench.py equal CONFIG --meshes 1x1x1x1,2x1x1x1,1x1x2x1 [--seq 256] [--batch 2]
+
+Meshes are data×fsdp×expert×tensor. ``throughput`` draws random weights on the devices, already sharded
+(no host copy; ``engine_bench.build``), and times the jitted step on random tokens: median of ``--steps``
+after two warm-ups. MFU counts model FLOPs (6 × active matmul parameters per token, plus attention over the
+keys each query really reads and the indexer's scans, × 3 for forward and backward) against the H200's
+989 TFLOP/s dense bf16 peak. ``equal`` runs one fp32 step from the same eager initial state and batch on
+every mesh and prints loss and gradient norm (the first mesh is the baseline). One JSON line per result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.train.config import load
+from dsv41_jax.train.step import (
+    TrainState,
+    batch_sharding,
+    build_mesh,
+    init_state,
+    make_train_step,
+    split_model,
+    state_shardings,
+)
+
+PEAK_BF16 = 989e12  # H200 SXM dense bf16
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    shape = tuple(int(x) for x in text.split("x"))
+    if len(shape) != 4:
+        raise SystemExit(f"mesh {text!r}: give data x fsdp x expert x tensor, e.g. 1x1x2x1")
+    return shape
+
+
+def random_batch(cfg, batch: int, seq: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    e = cfg.engram
+    rows = np.stack([rng.integers(0, n, (1, batch, seq, e.n_columns)) for n in e.num_embeddings], 3)
+    return {"tokens": rng.integers(0, cfg.vocab_size, (1, batch, seq)).astype(np.int32),
+            "segment_ids": np.ones((1, batch, seq), np.int32), "engram_rows": rows.astype(np.int32)}
+
+
+def model_flops_per_token(cfg, seq: int) -> dict:
+    """Forward+backward FLOPs per token: matmuls of the active parameters, attention and indexer scans."""
+    from dsv41_jax.checkpoint.tree import flat_variables
+    from dsv41_jax.model.transformer import abstract_model
+    from dsv41_jax.topology import layer_spec
+
+    a, m = cfg.attention, cfg.moe
+    matmul = 0.0
+    for name, v in flat_variables(abstract_model(cfg)).items():
+        if len(v.shape) < 2 or name.startswith("embed") or "engram.tables" in name or ".emb" in name:
+            continue
+        n = math.prod(v.shape)
+        matmul += n * (m.n_activated_experts / m.n_routed_experts if ".experts." in name else 1.0)
+    pos = np.arange(1, seq + 1)
+    attn = index = 0.0
+    for i in range(cfg.n_layers):
+        spec = layer_spec(cfg, i)
+        keys = np.minimum(pos, a.window_size).astype(np.float64)
+        if spec.ratio:
+            comps = pos // spec.ratio
+            keys = keys + np.minimum(comps, a.index_topk)
+            if spec.role in ("full", "reindex") and i in a.index_source_layers:
+                pool = a.candidate_topk_blocks * a.candidate_block_size
+                scanned = np.minimum(comps, pool) if spec.role == "reindex" else comps
+                index += 2 * a.index_n_heads * a.index_head_dim * scanned.mean()
+        attn += 4 * a.n_heads * a.head_dim * keys.mean()
+    return {"matmul": 6 * matmul, "attention": 3 * attn, "indexer": 3 * index,
+            "total": 6 * matmul + 3 * attn + 3 * index, "active_params": matmul}
+
+
+def device_state(model_cfg, ocfg, mesh, remat: str):
+    """TrainState drawn on the devices, sharded by the table, and the jitted step (large models: no host copy)."""
+    from engine_bench import build
+    from flax import nnx
+
+    from dsv41_jax.optim import optimizer
+
+    graphdef, state = build(model_cfg, mesh)
+    model = nnx.merge(graphdef, state)
+    tx = optimizer(model_cfg, ocfg)
+    shardings, (graphdef, rest) = state_shardings(model, tx, mesh)
+    _, params, biases, _ = split_model(model)
+    opt = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+    ts = TrainState(jnp.zeros((), jnp.int32), params, biases, opt)
+    step = jax.jit(make_train_step(graphdef, rest, model_cfg, ocfg, tx, remat, mesh),
+                   in_shardings=(shardings, batch_sharding(mesh)), out_shardings=(shardings, None),
+                   donate_argnums=0)
+    return ts, step
+
+
+def throughput(args, cfg):
+    model_cfg = cfg.model
+    if args.experts:
+        model_cfg = model_cfg.replace(moe=dataclasses.replace(model_cfg.moe, n_routed_experts=args.experts))
+    flops = model_flops_per_token(model_cfg, args.seq)
+    base = None
+    for text in args.meshes.split(","):
+        shape = parse_mesh(text)
+        n_dev = math.prod(shape)
+        mesh = build_mesh(shape, devices=jax.devices()[:n_dev])
+        batch = args.batch_per_device * shape[0] * shape[1] * shape[2]
+        row = {"bench": "train_step", "mesh": text, "devices": n_dev, "seq": args.seq, "global_batch": batch,
+               "experts": model_cfg.moe.n_routed_experts, "remat": args.remat}
+        try:
+            ts, step = device_state(model_cfg, cfg.optim, mesh, args.remat)
+            n_params = sum(x.size for x in jax.tree.leaves(ts.params))
+            data = jax.device_put(random_batch(model_cfg, batch, args.seq), batch_sharding(mesh))
+            t0 = time.perf_counter()
+            compiled = step.lower(ts, data).compile()
+            row["compile_s"] = time.perf_counter() - t0
+            mem = compiled.memory_analysis()
+            if mem is not None:
+                row["device_GB"] = (mem.argument_size_in_bytes + mem.temp_size_in_bytes) / 2**30
+            for _ in range(2):
+                ts, metrics = compiled(ts, data)
+            jax.block_until_ready(ts)
+            times = []
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                ts, metrics = compiled(ts, data)
+                jax.block_until_ready(ts)
+                times.append(time.perf_counter() - t)
+            sec = float(np.median(times))
+            tok_s = batch * args.seq / sec
+            row |= {"params_B": n_params / 1e9, "step_s": sec, "tokens_per_s": tok_s,
+                    "tokens_per_s_per_device": tok_s / n_dev, "loss": float(metrics["loss"]),
+                    "mfu": tok_s * flops["total"] / (n_dev * PEAK_BF16),
+                    "peak_GB": max(d.memory_stats().get("peak_bytes_in_use", 0) for d in mesh.devices.flat) / 2**30
+                    if mesh.devices.flat[0].platform != "cpu" else None}
+            base = base or row
+            row["speedup_vs_first"] = tok_s / base["tokens_per_s"]
+            del ts, data, compiled, step
+        except Exception as err:  # noqa: BLE001 -- an out-of-memory configuration is a result, not a crash
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        print(json.dumps(row | {"flops_per_token": flops}), flush=True)
+
+
+def equal(args, cfg):
+    model_cfg = cfg.model.replace(dtype="float32")
+    first = None
+    for text in args.meshes.split(","):
+        shape = parse_mesh(text)
+        mesh = build_mesh(shape, devices=jax.devices()[: math.prod(shape)])
+        state, step, _ = init_state(model_cfg, cfg.optim, mesh, cfg.seed)
+        data = jax.device_put(random_batch(model_cfg, args.batch, args.seq, seed=1), batch_sharding(mesh))
+        _, m = step(state, data)
+        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        first = first or m
+        print(json.dumps({"bench": "train_step_equal", "mesh": text, "loss": m["loss"], "grad_norm": m["grad_norm"],
+                          "loss_rel_diff": abs(m["loss"] - first["loss"]) / abs(first["loss"]),
+                          "grad_norm_rel_diff": abs(m["grad_norm"] - first["grad_norm"]) / first["grad_norm"]}),
+              flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["throughput", "equal"])
+    p.add_argument("config")
+    p.add_argument("--meshes", default="1x1x1x1")
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--batch-per-device", type=int, default=1)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--remat", default="none")
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args()
+    cfg = load(args.config, [])
+    args.seq = args.seq or cfg.data.seq_len
+    print(json.dumps({"device": str(jax.devices()[0]), "n_devices": jax.device_count(), "jax": jax.__version__,
+                      "config": args.config}), flush=True)
+    (throughput if args.what == "throughput" else equal)(args, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -55,7 +55,7 @@ class DataConfig:
     jsonl_key: str = "text"
     max_documents: int = 2000  # cap on the documents read (the embedded corpus has ~1,000 files)
     seq_len: int = 64
-    batch_size: int = 4  # global sequences per optimizer micro-step (split over hosts, then data×fsdp)
+    batch_size: int = 4  # global sequences per optimizer micro-step (split over hosts, then data×fsdp×expert)
     # `train`: train a byte-level BPE on the corpus on first use, cached in the checkpoint directory;
     # otherwise a tokenizer.json path
     tokenizer: str = "train"

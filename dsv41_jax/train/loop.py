@@ -47,10 +47,10 @@ class Run:
 def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None] = print) -> Run:
     """Build (or resume) the run described by ``cfg``; ``source`` names the config file in errors."""
     mesh = build_mesh(cfg.mesh.shape(jax.device_count(), source))
-    per_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    per_batch = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
     if cfg.data.batch_size % per_batch:
-        raise ConfigError(f"{source}: data.batch_size {cfg.data.batch_size} is not divisible by mesh data×fsdp "
-                          f"= {per_batch}")
+        raise ConfigError(f"{source}: data.batch_size {cfg.data.batch_size} is not divisible by mesh "
+                          f"data×fsdp×expert = {per_batch}")
     run_dir = Path(cfg.checkpoint.dir)
     d = cfg.data
     docs = read_documents(d.source, d.paths, d.max_documents, d.jsonl_key)

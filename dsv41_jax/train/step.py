@@ -19,12 +19,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from dsv41_jax.model.moe import RouterBias, Routing
+from dsv41_jax.model.moe import RouterBias, Routing, expert_parallel
 from dsv41_jax.model.transformer import Transformer
 from dsv41_jax.optim import OptimConfig, balance_loss, lr_at, optimizer, router_bias_update
 from dsv41_jax.sharding import state_partition_specs
 
-BATCH = ("data", "fsdp")  # mesh axes the batch is split over
+BATCH = ("data", "fsdp", "expert")  # mesh axes the batch is split over (experts see the tokens of their group)
 
 
 class TrainState(NamedTuple):
@@ -57,8 +57,12 @@ def split_model(model: Transformer):
 
 
 def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.GradientTransformation,
-                    remat: str = "none"):
-    """The pure step ``(TrainState, batch) -> (TrainState, metrics)``; ``batch`` leaves are [A, b, ...]."""
+                    remat: str = "none", mesh: jax.sharding.Mesh | None = None):
+    """The pure step ``(TrainState, batch) -> (TrainState, metrics)``; ``batch`` leaves are [A, b, ...].
+
+    With a ``mesh`` whose ``expert`` axis has several devices, MoE layers run expert-parallel
+    (:func:`~dsv41_jax.model.moe.routed_experts_ep`).
+    """
 
     def micro_loss(params, biases, mb, n_tok, n_micro):
         model = nnx.merge(graphdef, params, biases, rest)
@@ -75,6 +79,10 @@ def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.Grad
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        with expert_parallel(mesh):
+            return _step(state, batch)
+
+    def _step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         n_micro = batch["tokens"].shape[0]
         mask = jax.vmap(targets_and_mask)(batch["tokens"], batch["segment_ids"])[1]
         n_tok = jnp.maximum(mask.sum(), 1).astype(jnp.float32)
@@ -136,7 +144,7 @@ def state_shardings(model: Transformer, tx, mesh) -> tuple[TrainState, Any]:
 
 
 def batch_sharding(mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(None, BATCH))  # [A, B, ...]: micro-batch axis whole, batch over data×fsdp
+    return NamedSharding(mesh, P(None, BATCH))  # [A, B, ...]: micro-batch axis whole, batch over data×fsdp×expert
 
 
 def init_state(model_cfg, ocfg: OptimConfig, mesh, seed: int, remat: str = "none"):
@@ -150,7 +158,7 @@ def init_state(model_cfg, ocfg: OptimConfig, mesh, seed: int, remat: str = "none
     shardings, (graphdef, rest) = state_shardings(model, tx, mesh)
     _, params, biases, _ = split_model(model)
     state = jax.device_put(TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params)), shardings)
-    step = jax.jit(make_train_step(graphdef, rest, model_cfg, ocfg, tx, remat),
+    step = jax.jit(make_train_step(graphdef, rest, model_cfg, ocfg, tx, remat, mesh),
                    in_shardings=(shardings, batch_sharding(mesh)), out_shardings=(shardings, None),
                    donate_argnums=0)
     return state, step, shardings

@@ -142,6 +142,7 @@ def _cmd_sample(args) -> int:
     from dsv41_jax.engine.sampling import Generator, SamplingConfig
     from dsv41_jax.engram_device import device_engram
 
+    tok_path = None  # the run's tokenizer, else the checkpoint directory's
     if args.run:
         from dsv41_jax.train.checkpoint import model_from_run
 
@@ -153,9 +154,7 @@ def _cmd_sample(args) -> int:
         model, hasher = model_from_orbax(args.ckpt, dtype=args.dtype)
     else:
         model, hasher = model_from_hf(args.hf_dir, dtype=args.dtype)
-    if not args.run:
-        tok_path = Path(args.ckpt or args.hf_dir) / "tokenizer.json"
-    tok = Tokenizer.from_file(str(tok_path))
+    tok = Tokenizer.from_file(str(tok_path or Path(args.ckpt or args.hf_dir) / "tokenizer.json"))
     if args.ids:
         prompts = [[int(t) for t in p.split(",")] for p in args.ids]
     else:

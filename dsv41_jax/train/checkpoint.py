@@ -109,7 +109,7 @@ class RunCheckpointer:
         if not isinstance(data, dict) or "processes" not in data:
             raise CheckpointDamaged("the data item is not an iterator state of this format")
         if data.get("process_count") != jax.process_count():
-            raise ValueError(f"checkpoint step {step} holds the data iterators of {data.get('process_count')} "
+            raise ConfigError(f"checkpoint step {step} holds the data iterators of {data.get('process_count')} "
                              f"processes but this run has {jax.process_count()}: each process reads its own "
                              "documents, so resume with the same number of processes")
         return state, data["processes"][jax.process_index()]

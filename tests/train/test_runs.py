@@ -279,6 +279,13 @@ def _fill(like, stored: dict):
     return jax.tree_util.tree_map_with_path(get, like)
 
 
+def test_sample_run_must_be_a_run_directory(tmp_path, capsys):
+    from dsv41_jax.cli import main
+
+    assert main(["sample", "--run", str(tmp_path), "--prompt", "x"]) == 2
+    assert f"--run {tmp_path}: not a training run directory" in capsys.readouterr().err
+
+
 def test_sample_from_a_training_run(cli_run, run_cfg, forward, capsys):
     from dsv41_jax.cli import main
 

@@ -142,13 +142,19 @@ def _cmd_sample(args) -> int:
     from dsv41_jax.engine.sampling import Generator, SamplingConfig
     from dsv41_jax.engram_device import device_engram
 
-    if args.ckpt:
+    tok_path = None  # the run's tokenizer, else the checkpoint directory's
+    if args.run:
+        from dsv41_jax.train.checkpoint import model_from_run
+
+        model, hasher, tok_path, step = model_from_run(args.run, dtype=args.dtype)
+        print(f"sampling from {args.run} step {step}", flush=True)
+    elif args.ckpt:
         from dsv41_jax.checkpoint.load import model_from_orbax
 
         model, hasher = model_from_orbax(args.ckpt, dtype=args.dtype)
     else:
         model, hasher = model_from_hf(args.hf_dir, dtype=args.dtype)
-    tok = Tokenizer.from_file(str(Path(args.ckpt or args.hf_dir) / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(tok_path or Path(args.ckpt or args.hf_dir) / "tokenizer.json"))
     if args.ids:
         prompts = [[int(t) for t in p.split(",")] for p in args.ids]
     else:
@@ -164,22 +170,31 @@ def _cmd_sample(args) -> int:
             if text:
                 print(f"[{i}] {text}", flush=True)
 
-    gen.generate(prompts, seed=args.seed, on_block=show)
+    outs = gen.generate(prompts, seed=args.seed, on_block=show)
+    if args.show_ids:
+        for i, ids in enumerate(outs):
+            print(f"[{i}] ids {','.join(str(t) for t in ids)}")
     return 0
 
 
 def _cmd_train(args) -> int:
     """Pre-train from a YAML run config (resumes from the latest checkpoint in checkpoint.dir)."""
+    from dsv41_jax.train import distributed
     from dsv41_jax.train.config import load
-    from dsv41_jax.train.loop import train
 
     cfg = load(args.config, args.overrides)
+    distributed.initialize(cfg.distributed)  # before anything touches a device
+    from dsv41_jax.train.loop import train
+
     train(cfg, source=args.config, stop_after=args.stop_after)
     return 0
 
 
-def _add_checkpoint_source(p: argparse.ArgumentParser) -> None:
+def _add_checkpoint_source(p: argparse.ArgumentParser, run: bool = False) -> None:
     src = p.add_mutually_exclusive_group(required=True)
+    if run:
+        src.add_argument("--run", help="a `dsv41 train` run directory (checkpoint.dir): its newest good step, "
+                         "saved config and tokenizer")
     src.add_argument("--ckpt", "--checkpoint", dest="ckpt", help="an Orbax checkpoint written by `dsv41 convert`")
     src.add_argument("--hf-dir", help="a release-format Hugging Face directory (config.json, index, shards, "
                      "tokenizer.json)")
@@ -225,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ledger", help="KV-cache bytes per token and per sequence of a config")
     p.add_argument("--config", default="v41_flash")
     p.set_defaults(fn=_cmd_ledger)
-    p = sub.add_parser("sample", help="generate from a converted (Orbax) or release-format checkpoint")
-    _add_checkpoint_source(p)
+    p = sub.add_parser("sample", help="generate from a training run, a converted (Orbax) or a release-format "
+                       "checkpoint")
+    _add_checkpoint_source(p, run=True)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", action="append", help="text prompt (repeat for a batch)")
     group.add_argument("--ids", action="append", help="comma-separated token ids (repeat for a batch)")
@@ -239,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-mode", default="exact", choices=["exact", "ced"])
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--show-ids", action="store_true", help="also print each row's generated token ids")
     p.set_defaults(fn=_cmd_sample)
     p = sub.add_parser("train", help="pre-train from a YAML run config (model, optim, mesh, data, checkpoint)")
     p.add_argument("--config", required=True, help="run config, e.g. configs/pretrain_tiny.yaml")

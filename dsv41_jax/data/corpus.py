@@ -1,15 +1,27 @@
-"""Text documents for pre-training: files on disk (plain text, jsonl) or the embedded default corpus.
+"""Text documents for pre-training: files on disk (plain text, jsonl, parquet, ArrayRecord) or the embedded
+default corpus.
 
 The embedded corpus is the Python standard library's own ``.py`` files: present on every machine with this
 package installed, so a fresh machine trains with no network (issue: pretraining, "embedded default
 corpus"). Order is the sorted relative path, so every host and every run sees the same documents.
+
+Text and jsonl files are read whole (empty documents dropped). Parquet and ArrayRecord files are opened
+lazily: :func:`open_documents` reads only their metadata and returns a random-access sequence whose item ``i``
+is read when asked for (parquet through its row group, a few kept in a small cache; ArrayRecord one record).
+Documents of these two formats are taken as they are: an empty one stays (it packs to ``[BOS, EOS]``).
+Both need the ``data`` extra (``pip install -e ".[data]"``: pyarrow, array_record).
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
+import dataclasses
 import glob
 import json
 import sysconfig
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from dsv41_jax.config import ConfigError
@@ -42,12 +54,17 @@ def read_documents(source: str, paths: tuple[str, ...] = (), limit: int = 2000, 
     elif source in ("text", "jsonl"):
         files = _expand(paths)
     else:
-        raise ConfigError(f"data.source must be embedded, text or jsonl, got {source!r}")
+        raise ConfigError(f"data.source must be embedded, text or jsonl here (open_documents reads the others), "
+                          f"got {source!r}")
     for path in files:
         if len(docs) >= limit:
             break
+        try:
+            raw = path.read_text(encoding="utf-8", errors="strict" if source == "jsonl" else "replace")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path}: cannot read: {err}") from err
         if source == "jsonl":
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            for n, line in enumerate(raw.splitlines()):
                 if not line.strip():
                     continue
                 try:
@@ -56,8 +73,148 @@ def read_documents(source: str, paths: tuple[str, ...] = (), limit: int = 2000, 
                     raise ConfigError(f"{path}:{n + 1}: expected a JSON object with key {jsonl_key!r}: {err}") from err
                 if text:
                     docs.append(str(text))
-        else:
-            text = path.read_text(encoding="utf-8", errors="replace")
-            if text.strip():
-                docs.append(text)
+        elif raw.strip():
+            docs.append(raw)
     return docs[:limit]
+
+
+def _need(module: str, source: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ConfigError(f"data.source {source} needs {module.split('.')[0]}: pip install -e \".[data]\" "
+                          f"({err})") from err
+
+
+class ParquetDocuments(Sequence):
+    """The string column ``column`` of parquet ``files``, row by row, read lazily.
+
+    Opening reads each file's footer only (row counts, schema). Row ``i`` is read through its row group; the
+    last ``cache`` row groups stay in memory, so sequential reads cost one read per row group and a shuffled
+    read one per miss (keep row groups small in training files). Thread-safe; picklable (handles reopen).
+    """
+
+    def __init__(self, files: Sequence[Path], column: str, limit: int | None = None, cache: int = 4):
+        pq = _need("pyarrow.parquet", "parquet")
+        self.files, self.column, self.cache = [Path(f) for f in files], column, cache
+        self.groups: list[tuple[int, int, int]] = []  # (file, row group, first row), in row order
+        total = 0
+        for n, path in enumerate(self.files):
+            try:
+                meta = pq.ParquetFile(path)
+            except Exception as err:  # OSError, ArrowInvalid, ...: the file is what matters to the reader
+                raise ConfigError(f"{path}: cannot read as parquet: {err}") from err
+            names = meta.schema_arrow.names
+            if column not in names:
+                raise ConfigError(f"{path}: no column {column!r} (data.parquet_column); columns: {', '.join(names)}")
+            kind = meta.schema_arrow.field(column).type
+            if str(kind) not in ("string", "large_string", "string_view"):
+                raise ConfigError(f"{path}: column {column!r} holds {kind}, not strings")
+            for g in range(meta.metadata.num_row_groups):
+                self.groups.append((n, g, total))
+                total += meta.metadata.row_group(g).num_rows
+        self.length = total if limit is None else min(total, limit)
+        self._starts = [g[2] for g in self.groups]
+        self._init_cache()
+
+    def _init_cache(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: dict[int, object] = {}
+        self._groups: collections.OrderedDict[int, list] = collections.OrderedDict()
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_handles", "_groups")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_cache()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _rows(self, g: int) -> list:
+        import pyarrow.parquet as pq
+
+        with self._lock:
+            if g in self._groups:
+                self._groups.move_to_end(g)
+                return self._groups[g]
+            f, rg, _ = self.groups[g]
+            if f not in self._handles:
+                self._handles[f] = pq.ParquetFile(self.files[f])
+            try:
+                rows = self._handles[f].read_row_group(rg, columns=[self.column]).column(0).to_pylist()
+            except Exception as err:
+                raise ConfigError(f"{self.files[f]}: cannot read row group {rg}: {err}") from err
+            self._groups[g] = rows
+            if len(self._groups) > self.cache:
+                self._groups.popitem(last=False)
+            return rows
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"document {i} of {len(self)}")
+        i %= len(self)
+        g = bisect.bisect_right(self._starts, i) - 1
+        return self._rows(g)[i - self._starts[g]] or ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:  # array_record's FileInstruction: a whole file, its record count known
+    filename: str
+    skip: int
+    take: int
+    examples_in_shard: int
+
+
+class ArrayRecordDocuments(Sequence):
+    """Records of ArrayRecord ``files`` as documents: each record is one document's UTF-8 text (undecodable
+    bytes become U+FFFD). Opening reads each file's record count; records are read one at a time on demand
+    (grain's ``ArrayRecordDataSource``)."""
+
+    def __init__(self, files: Sequence[Path], limit: int | None = None):
+        module = _need("array_record.python.array_record_module", "arrayrecord")
+        from grain.sources import ArrayRecordDataSource
+
+        parts = []
+        for path in files:
+            try:
+                reader = module.ArrayRecordReader(str(path))
+                n = reader.num_records()
+                reader.close()
+            except Exception as err:
+                raise ConfigError(f"{path}: cannot read as ArrayRecord: {err}") from err
+            parts.append(_Part(str(path), 0, n, n))
+        self.source = ArrayRecordDataSource(parts)
+        self.length = len(self.source) if limit is None else min(len(self.source), limit)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"document {i} of {len(self)}")
+        return self.source[i % len(self)].decode("utf-8", errors="replace")
+
+
+def open_documents(source: str, paths: tuple[str, ...] = (), limit: int = 2000, *, jsonl_key: str = "text",
+                   parquet_column: str = "text") -> Sequence[str]:
+    """The documents of ``source`` as a random-access sequence of at most ``limit`` strings.
+
+    ``embedded``, ``text`` and ``jsonl`` are read into a list (:func:`read_documents`); ``parquet`` and
+    ``arrayrecord`` stay on disk (:class:`ParquetDocuments`, :class:`ArrayRecordDocuments`). A pattern that
+    matches nothing, or a file that cannot be read, is a :class:`ConfigError` naming it.
+    """
+    if source == "parquet":
+        return ParquetDocuments(_expand(paths), parquet_column, limit)
+    if source == "arrayrecord":
+        return ArrayRecordDocuments(_expand(paths), limit)
+    return read_documents(source, paths, limit, jsonl_key)

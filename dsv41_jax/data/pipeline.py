@@ -11,17 +11,26 @@ a document boundary) and packed documents can attend to their neighbours in a ro
 left for later. Positions are returned for that later use; the model numbers positions 0..S-1 per row.
 
 Determinism: the document order is a seeded shuffle, each host takes every ``process_count``-th document,
-and the iterator state (``get_state`` / ``set_state``) resumes mid-epoch exactly.
+and the iterator state (``get_state`` / ``set_state``) resumes mid-epoch exactly. The documents are any
+random-access sequence (a list, or a lazy file source from ``corpus.open_documents``): only the documents a
+host reads are ever loaded.
+
+Background work never changes the stream: ``read_threads`` threads encode documents ahead in order (grain's
+``ReadOptions``), and ``prefetch`` finished batches are produced ahead by one background thread (grain's
+``ThreadPrefetchIterDataset``, whose state is the consumer's position, so a checkpoint taken with batches
+waiting in the buffer resumes at the first batch not yet handed out). Multiprocess workers are not offered:
+grain shards the documents over the workers, which changes the packing and so the stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 import grain
 import numpy as np
-from grain.experimental import ConcatThenSplitIterDataset
+from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset
 
 from dsv41_jax.config import ConfigError, ModelConfig
 from dsv41_jax.engram_hash import EngramHasher
@@ -55,9 +64,9 @@ def _rename(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def packed_dataset(documents: list[str], tokenizer_path: Path, cfg: ModelConfig, token_map: np.ndarray, *,
+def packed_dataset(documents: Sequence[str], tokenizer_path: Path, cfg: ModelConfig, token_map: np.ndarray, *,
                    seq_len: int, batch_size: int, seed: int, process_index: int = 0,
-                   process_count: int = 1) -> grain.IterDataset:
+                   process_count: int = 1, read_threads: int = 16, prefetch: int = 0) -> grain.IterDataset:
     """Endless per-host batches: tokens/segment_ids/positions int32 [b, S], engram_rows int32 [b, S, L, C].
 
     ``batch_size`` is global; each of ``process_count`` hosts yields ``batch_size / process_count`` rows.
@@ -67,10 +76,14 @@ def packed_dataset(documents: list[str], tokenizer_path: Path, cfg: ModelConfig,
     if len(documents) < process_count:
         raise ConfigError(f"{len(documents)} documents cannot feed {process_count} hosts")
     ds = grain.MapDataset.source(documents).shuffle(seed=seed)[process_index::process_count]
-    ds = ds.repeat(None).map(_Encode(tokenizer_path, cfg, token_map)).to_iter_dataset()
+    read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=500 if read_threads else 0)
+    ds = ds.repeat(None).map(_Encode(tokenizer_path, cfg, token_map)).to_iter_dataset(read)
     lengths = {"tokens": seq_len} | ({"rows": seq_len} if cfg.engram.layer_ids else {})
     ds = ConcatThenSplitIterDataset(ds, length_struct=lengths)
-    return ds.map(_rename).batch(batch_size // process_count, drop_remainder=True)
+    ds = ds.map(_rename).batch(batch_size // process_count, drop_remainder=True)
+    if prefetch:
+        ds = ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
+    return ds
 
 
 def loss_mask(segment_ids: np.ndarray) -> np.ndarray:

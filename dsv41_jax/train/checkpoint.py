@@ -1,26 +1,78 @@
-"""Orbax checkpoints of a training run: the TrainState (step, params, router biases, optimizer state), the data
-iterator state and the run config, every N steps, keep-last-K.
+"""Orbax checkpoints of a training run: the TrainState (step, params, router biases, optimizer state), every
+process's data iterator state and the run config, every N steps, keep-last-K.
+
+Layout: ``<run>/checkpoints/<step>/{state,data,config}``. ``data`` holds one iterator state per process
+(``{"process_count": P, "processes": [state_0, ...]}``): each host reads its own documents, so each resumes
+its own iterator; resuming on a different number of processes is refused.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a run killed while saving
-leaves the previous good step as the latest one (atomic). Saves are asynchronous: training continues while
-arrays are written; :meth:`RunCheckpointer.close` waits for the last one.
+leaves the previous good step as the latest one. Saves are asynchronous: training continues while arrays are
+written; :meth:`RunCheckpointer.close` waits for the last one.
+
+Resuming (:meth:`RunCheckpointer.restore_latest`) trusts nothing on disk: steps are tried newest first, and a
+step that is incomplete (a missing item or metadata file) or does not restore (a truncated or unreadable
+array file, bad JSON) is moved to ``<run>/rejected_checkpoints/<step>`` with a message that names the step
+and the reason, and the next older step is tried. Leftover temporary directories of interrupted saves are
+reported and removed.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from dsv41_jax.config import ConfigError
+
+ITEMS = ("state", "data", "config")
+TMP_MARK = ".orbax-checkpoint-tmp"
+# files a finalised step must hold (written last by Orbax, so their absence means an incomplete step)
+REQUIRED = ("_CHECKPOINT_METADATA", "state/_METADATA", "data/metadata", "config/metadata")
+
+
+class CheckpointDamaged(RuntimeError):
+    """A step directory that cannot be resumed from; the message says why."""
+
+
+def _gather_json(obj) -> list:
+    """``obj`` of every process, in process order (one process: ``[obj]``)."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    n = multihost_utils.process_allgather(np.asarray([raw.size], np.int32))
+    padded = np.zeros(int(n.max()), np.uint8)
+    padded[: raw.size] = raw
+    allraw = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(allraw[i, : int(n[i, 0])]).decode()) for i in range(jax.process_count())]
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 class RunCheckpointer:
     def __init__(self, directory: str | Path, every: int, keep: int):
-        self.dir = Path(directory).absolute() / "checkpoints"
+        self.run_dir = Path(directory).absolute()
+        self.dir = self.run_dir / "checkpoints"
         self.every = every
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
-        self.manager = ocp.CheckpointManager(self.dir, options=options, item_names=("state", "data", "config"))
+        self.keep = keep
+        self.manager = self._manager()
+
+    def _manager(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
+                                               enable_async_checkpointing=True)
+        return ocp.CheckpointManager(self.dir, options=options, item_names=ITEMS)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -29,17 +81,154 @@ class RunCheckpointer:
         return last or (self.every > 0 and step % self.every == 0)
 
     def save(self, step: int, state, data_state: dict, config: dict) -> None:
+        """Save ``step`` (asynchronously); ``data_state`` is this process's iterator state."""
+        data = {"process_count": jax.process_count(), "processes": _gather_json(data_state)}
         self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
             config=ocp.args.JsonSave(json.loads(json.dumps(config, default=str)))))
 
     def restore(self, step: int, like) -> tuple[object, dict]:
-        """The TrainState of ``step`` placed like ``like`` (any mesh: Orbax reshards), and the data state."""
+        """The TrainState of ``step`` placed like ``like`` (any mesh: Orbax reshards), and this process's
+        data iterator state. Raises :class:`CheckpointDamaged` when the step is incomplete or unreadable."""
+        missing = [f for f in REQUIRED if not (self.dir / str(step) / f).exists()]
+        if missing:
+            raise CheckpointDamaged(f"incomplete: {', '.join(missing)} missing")
+        self._check_same_state(step, like)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-        return out["state"], out["data"]
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+            state = jax.block_until_ready(out["state"])
+        except Exception as err:  # tensorstore / Orbax / JSON errors: all mean "cannot resume from here"
+            root = err
+            while root.__cause__ is not None:  # the innermost error names the array and file
+                root = root.__cause__
+            reason = " ".join(str(root).split())
+            raise CheckpointDamaged(f"does not restore: {reason[:500]}") from err
+        data = out["data"]
+        if not isinstance(data, dict) or "processes" not in data:
+            raise CheckpointDamaged("the data item is not an iterator state of this format")
+        if data.get("process_count") != jax.process_count():
+            raise ConfigError(f"checkpoint step {step} holds the data iterators of {data.get('process_count')} "
+                             f"processes but this run has {jax.process_count()}: each process reads its own "
+                             "documents, so resume with the same number of processes")
+        return state, data["processes"][jax.process_index()]
+
+    def _check_same_state(self, step: int, like) -> None:
+        """A readable step saved from another model / optimizer config is the user's error, not damage."""
+        try:
+            tree = ocp.StandardCheckpointHandler().metadata(self.dir / str(step) / "state")
+            stored = sorted((tuple(m.shape), np.dtype(m.dtype).name) for m in jax.tree.leaves(tree))
+        except Exception as err:
+            raise CheckpointDamaged(f"unreadable state metadata: {' '.join(str(err).split())[:300]}") from err
+        want = sorted((tuple(x.shape), np.dtype(x.dtype).name) for x in jax.tree.leaves(like))
+        if stored != want:
+            diff = sorted(set(stored) ^ set(want))[:3]
+            raise ConfigError(f"checkpoint step {step} in {self.dir} holds a different train state ({len(stored)} "
+                              f"arrays, this run has {len(want)}; e.g. shapes/dtypes {diff} differ): it was "
+                              "saved with another model or optimizer config. Resume with that config or use a "
+                              "new checkpoint.dir")
+
+    def restore_latest(self, like, log: Callable[[str], None] = print, *, read_only: bool = False,
+                       ) -> tuple[int, object, dict] | None:
+        """(step, state, data state) of the newest step that restores, or None when there is none.
+
+        Damaged steps are moved aside (by process 0) with a message naming the step and the reason;
+        ``read_only`` only skips them (and leaves temporary directories alone)."""
+        if not read_only:
+            self._drop_tmp(log)
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                state, data = self.restore(step, like)
+            except CheckpointDamaged as err:
+                where = "skipping it" if read_only else f"moving it to {self._reject(step)}"
+                log(f"checkpoint step {step} at {self.dir / str(step)} is damaged ({err}); {where} and trying "
+                    "the previous step")
+                continue
+            return step, state, data
+        return None
+
+    def run_config(self, step: int) -> dict:
+        """The run config saved with ``step`` (the ``TrainConfig`` as a dict)."""
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        except Exception as err:
+            raise CheckpointDamaged(f"its config item does not read: {' '.join(str(err).split())[:300]}") from err
+
+    def _reject(self, step: int) -> Path:
+        dest = self.run_dir / "rejected_checkpoints" / str(step)
+        if jax.process_index() == 0:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if dest.exists():
+                dest = dest.with_name(f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.move(str(self.dir / str(step)), dest)
+        _sync(f"dsv41 rejected step {step}")
+        self.manager.reload()
+        return dest
+
+    def _drop_tmp(self, log: Callable[[str], None]) -> None:
+        leftovers = sorted(p for p in self.dir.glob(f"*{TMP_MARK}*") if p.is_dir()) if self.dir.exists() else []
+        for path in leftovers:
+            log(f"removing {path}: a save that never finished (the process stopped while writing it)")
+            if jax.process_index() == 0:
+                shutil.rmtree(path, ignore_errors=True)
+        if leftovers:
+            _sync("dsv41 tmp checkpoints removed")
+            self.manager.reload()
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def model_from_run(run_dir: str | Path, dtype: str = "float32", log: Callable[[str], None] = print):
+    """(model, Engram hasher, tokenizer path, step) of the newest good checkpoint of a ``dsv41 train`` run.
+
+    The model config is the one saved with that step (its ``model`` section) with ``engram.compressed_vocab_size``
+    taken from the run's ``tokenizer.json``, as training did; ``dtype`` sets the activation precision only.
+    The parameters and router biases come from the step's TrainState (the optimizer state is read and
+    dropped). Damaged steps are skipped with a message and left in place. Nothing usable is a ConfigError.
+    """
+    from flax import nnx
+
+    from dsv41_jax import config as C
+    from dsv41_jax.data.tokenizer import engram_consistent
+    from dsv41_jax.engram_hash import EngramHasher, build_token_map
+    from dsv41_jax.model.transformer import abstract_model
+    from dsv41_jax.optim import from_dict as optim_from_dict
+    from dsv41_jax.optim import optimizer
+    from dsv41_jax.train.step import TrainState, split_model
+
+    run = Path(run_dir)
+    tok = run / "tokenizer.json"
+    if not tok.is_file() or not (run / "checkpoints").is_dir():
+        raise ConfigError(f"--run {run}: not a training run directory (expected tokenizer.json and "
+                          "checkpoints/<step>/ as `dsv41 train` writes them)")
+    ck = RunCheckpointer(run, every=0, keep=1 << 30)
+    token_map = build_token_map(tok)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    try:
+        for step in sorted(ck.manager.all_steps(), reverse=True):
+            try:
+                saved = ck.run_config(step)
+            except CheckpointDamaged as err:
+                log(f"checkpoint step {step} at {ck.dir / str(step)} is damaged ({err}); trying the previous step")
+                continue
+            source = f"{ck.dir / str(step)} (saved run config)"
+            cfg = C.from_dict(saved["model"], source).replace(dtype=dtype)
+            cfg = engram_consistent(cfg, token_map)
+            ocfg = optim_from_dict(saved["optim"], source)
+            graphdef, params, biases, rest = split_model(abstract_model(cfg))
+            opt_state = jax.eval_shape(optimizer(cfg, ocfg).init, params)
+            like = TrainState(jax.ShapeDtypeStruct((), np.int32), params, biases, opt_state)
+            like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like)
+            try:
+                state, _ = ck.restore(step, like)
+            except CheckpointDamaged as err:
+                log(f"checkpoint step {step} at {ck.dir / str(step)} is damaged ({err}); trying the previous step")
+                continue
+            model = nnx.merge(graphdef, state.params, state.biases, rest)
+            return model, EngramHasher(cfg.engram, token_map), tok, step
+    finally:
+        ck.manager.close()
+    raise ConfigError(f"--run {run}: no checkpoint under {ck.dir} restores")

@@ -49,10 +49,12 @@ class MeshConfig:
 @dataclass(frozen=True)
 class DataConfig:
     # `embedded`: the Python standard library's own .py files (no download); `text`: one document per
-    # file; `jsonl`: one document per line, the text under `jsonl_key`
+    # file; `jsonl`: one document per line, the text under `jsonl_key`; `parquet`: one document per row,
+    # the string column `parquet_column`; `arrayrecord`: one document per record, UTF-8 text
     source: str = "embedded"
     paths: tuple[str, ...] = ()
     jsonl_key: str = "text"
+    parquet_column: str = "text"
     max_documents: int = 2000  # cap on the documents read (the embedded corpus has ~1,000 files)
     seq_len: int = 64
     batch_size: int = 4  # global sequences per optimizer micro-step (split over hosts, then data×fsdp×expert)
@@ -60,6 +62,24 @@ class DataConfig:
     # otherwise a tokenizer.json path
     tokenizer: str = "train"
     tokenizer_train_documents: int = 300
+    # background work that never changes the stream: `read_threads` threads encode documents ahead, in
+    # order (0: in the training thread); `prefetch` finished batches wait in a buffer that a background
+    # thread fills (0: none)
+    read_threads: int = 16
+    prefetch: int = 0
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """``jax.distributed`` (multi-host). Unset keys fall back to the environment (see ``train/distributed.py``):
+    ``DSV41_COORDINATOR`` / ``JAX_COORDINATOR_ADDRESS``, ``DSV41_NUM_PROCESSES`` / ``JAX_NUM_PROCESSES``,
+    ``DSV41_PROCESS_ID`` / ``JAX_PROCESS_ID``. Nothing set anywhere: one process, no initialisation."""
+
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    auto_detect: bool = False  # let JAX fill unset keys from the cluster (SLURM, Open MPI, TPU, Kubernetes)
+    timeout_s: int = 300  # how long to wait for every process to join
 
 
 @dataclass(frozen=True)
@@ -83,6 +103,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     steps: int = 100
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
@@ -96,7 +117,9 @@ class TrainConfig:
         return Path(self.logging.jsonl or Path(self.checkpoint.dir) / "metrics.jsonl")
 
 
-_SECTIONS = {"mesh": MeshConfig, "data": DataConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+_SECTIONS = {"mesh": MeshConfig, "data": DataConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+             "distributed": DistributedConfig}
+SOURCES = ("embedded", "text", "jsonl", "parquet", "arrayrecord")
 _SCALARS = {"steps": int, "grad_accum": int, "seed": int, "remat": str}
 
 
@@ -144,13 +167,20 @@ def from_dict(data: dict, source: str | None = None) -> TrainConfig:
 
 def validate(cfg: TrainConfig, source: str | None = None) -> None:
     d = cfg.data
-    if d.source not in ("embedded", "text", "jsonl"):
-        _fail(f"key 'data.source' must be embedded, text or jsonl, got {d.source!r}", source)
+    if d.source not in SOURCES:
+        _fail(f"key 'data.source' must be one of {', '.join(SOURCES)}, got {d.source!r}", source)
     if d.source != "embedded" and not d.paths:
         _fail(f"key 'data.paths' must list files (or globs) when data.source is {d.source}", source)
     for key in ("seq_len", "batch_size", "max_documents", "tokenizer_train_documents"):
         if getattr(d, key) < 1:
             _fail(f"key 'data.{key}' must be ≥ 1, got {getattr(d, key)}", source)
+    if d.read_threads < 0 or d.prefetch < 0:
+        _fail("keys 'data.read_threads' and 'data.prefetch' must be ≥ 0", source)
+    dist = cfg.distributed
+    if dist.num_processes is not None and dist.num_processes < 1:
+        _fail(f"key 'distributed.num_processes' must be ≥ 1, got {dist.num_processes}", source)
+    if dist.process_id is not None and not 0 <= dist.process_id < (dist.num_processes or dist.process_id + 1):
+        _fail(f"key 'distributed.process_id' ({dist.process_id}) must lie in [0, num_processes)", source)
     if d.seq_len < 2:
         _fail("key 'data.seq_len' must be ≥ 2 (a token and its target)", source)
     for key in ("steps", "grad_accum"):

@@ -6,6 +6,7 @@ from it, so an interrupted run continues to the same losses as an uninterrupted 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -16,7 +17,7 @@ import jax
 import numpy as np
 
 from dsv41_jax.config import ConfigError
-from dsv41_jax.data.corpus import read_documents
+from dsv41_jax.data.corpus import open_documents
 from dsv41_jax.data.pipeline import DataState, packed_dataset
 from dsv41_jax.data.tokenizer import engram_consistent, load_or_train
 from dsv41_jax.train.checkpoint import RunCheckpointer
@@ -44,8 +45,17 @@ class Run:
         return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
+def _quiet(_: str) -> None:
+    pass
+
+
 def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None] = print) -> Run:
-    """Build (or resume) the run described by ``cfg``; ``source`` names the config file in errors."""
+    """Build (or resume) the run described by ``cfg``; ``source`` names the config file in errors.
+
+    Resumes from the newest checkpoint that restores; a damaged newer one is set aside with a message.
+    With several processes (``jax.distributed``) only process 0 logs and trains the tokenizer.
+    """
+    log = log if jax.process_index() == 0 else _quiet
     mesh = build_mesh(cfg.mesh.shape(jax.device_count(), source))
     per_batch = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
     if cfg.data.batch_size % per_batch:
@@ -53,23 +63,31 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
                           f"data×fsdp×expert = {per_batch}")
     run_dir = Path(cfg.checkpoint.dir)
     d = cfg.data
-    docs = read_documents(d.source, d.paths, d.max_documents, d.jsonl_key)
-    tok_path, token_map = load_or_train(d.tokenizer, run_dir / "tokenizer.json", cfg.model,
-                                        docs[: d.tokenizer_train_documents])
+    docs = open_documents(d.source, d.paths, d.max_documents, jsonl_key=d.jsonl_key,
+                          parquet_column=d.parquet_column)
+    train_docs = (docs[i] for i in range(min(d.tokenizer_train_documents, len(docs))))
+    if jax.process_count() > 1:  # process 0 trains and writes the tokenizer; the others wait, then read it
+        from jax.experimental import multihost_utils
+
+        if jax.process_index() == 0:
+            load_or_train(d.tokenizer, run_dir / "tokenizer.json", cfg.model, train_docs)
+        multihost_utils.sync_global_devices("dsv41 tokenizer ready")
+    tok_path, token_map = load_or_train(d.tokenizer, run_dir / "tokenizer.json", cfg.model, train_docs)
     model_cfg = engram_consistent(cfg.model, token_map)
     log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
         f"{len(docs)} documents; tokenizer {tok_path} (engram.compressed_vocab_size "
         f"{model_cfg.engram.compressed_vocab_size})")
     state, step_fn, _ = init_state(model_cfg, cfg.optim, mesh, cfg.seed, cfg.remat)
     ds = packed_dataset(docs, tok_path, model_cfg, token_map, seq_len=d.seq_len, batch_size=d.batch_size,
-                        seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count())
+                        seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count(),
+                        read_threads=d.read_threads, prefetch=d.prefetch)
     data = DataState(iter(ds))
     ck = RunCheckpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
-    latest = ck.latest_step()
-    if latest is not None:
-        state, data_state = ck.restore(latest, state)
+    resumed = ck.restore_latest(state, log=log)
+    if resumed is not None:
+        step, state, data_state = resumed
         data.restore(data_state)
-        log(f"resumed from {ck.dir / str(latest)} (step {latest})")
+        log(f"resumed from {ck.dir / str(step)} (step {step})")
     return Run(cfg, mesh, state, step_fn, data, ck, model_cfg, ds)
 
 
@@ -77,13 +95,16 @@ def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None
           log: Callable[[str], None] = print) -> list[dict]:
     """Run to ``cfg.steps`` (or ``stop_after`` more steps); returns the logged metrics."""
     run = setup(cfg, source, log)
+    main = jax.process_index() == 0
+    log = log if main else _quiet
     history: list[dict] = []
     start = int(run.state.step)
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
-    cfg.metrics_path.parent.mkdir(parents=True, exist_ok=True)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.grad_accum
     tick = time.perf_counter()
-    with cfg.metrics_path.open("a") as sink:
+    if main:
+        cfg.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    with cfg.metrics_path.open("a") if main else contextlib.nullcontext() as sink:
         for step in range(start + 1, end + 1):
             run.state, metrics = run.step_fn(run.state, run.next_batch())
             if step % cfg.logging.every == 0 or step == end:
@@ -94,7 +115,7 @@ def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None
                       "tokens_per_s": tokens_per_step * done / (now - tick)}
                 tick = now
                 history.append(m)
-                if jax.process_index() == 0:
+                if main:
                     sink.write(json.dumps(m) + "\n")
                     sink.flush()
                     log(f"step {step:5d}  loss {m['loss']:.4f}  ce {m['ce']:.4f}  bal {m['balance']:.2e}  "

@@ -44,7 +44,10 @@ def test_overrides_reach_nested_keys():
     ({"model": {"preset": "tiny"}, "mesh": {"data": "auto", "fsdp": "auto"}}, "at most one axis"),
     ({"model": {"preset": "tiny"}, "mesh": {"expert": 0}}, r"mesh\.expert"),
     ({"model": {"preset": "tiny"}, "mesh": {"data": 3}}, r"data\.batch_size.*divisible"),
-    ({"model": {"preset": "tiny"}, "data": {"source": "parquet"}}, r"data\.source"),
+    ({"model": {"preset": "tiny"}, "data": {"source": "xml"}}, r"data\.source"),
+    ({"model": {"preset": "tiny"}, "data": {"prefetch": -1}}, r"data\.read_threads.*data\.prefetch"),
+    ({"model": {"preset": "tiny"}, "distributed": {"num_processes": 2, "process_id": 2}}, r"distributed\.process_id"),
+    ({"model": {"preset": "tiny"}, "distributed": {"coordinator": "h:1"}}, r"distributed\.coordinator"),
     ({"model": {"preset": "tiny"}, "remat": "some"}, "remat"),
     ({"model": {"dim": 8}}, r"model\.preset"),
 ])

@@ -23,7 +23,7 @@ def test_sharded_step_equals_single_device(train_eight_devices):
         if group.startswith("adamw"):
             # Adam's first update is lr·g/(|g| + ε) elementwise: for gradient entries near ε the relative
             # reduction-order noise of the two layouts becomes a visible fraction of lr
-            assert diff < 0.1 * r["lr"], (group, r)
+            assert diff < 0.25 * r["lr"], (group, r)
         else:  # Muon and Sinkhorn normalise whole matrices / rows: well conditioned
             assert diff < 1e-4, (group, r)
     assert r["biases_diff"] == 0.0, r  # sign(...) of identical loads

@@ -52,6 +52,8 @@ sharded_cache = jax.tree.map(lambda x, p: jax.device_put(x, NamedSharding(mesh, 
                              C.cache_partition_specs(cache, mesh, sequence_axis="fsdp"))
 with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
     sharded, out_cache = run(sharded_state, sharded_cache)
-print(json.dumps({"max_abs_diff": float(np.abs(sharded - single).max()),
+rel = np.linalg.norm(sharded - single, axis=-1) / np.linalg.norm(single, axis=-1)  # per logits row
+print(json.dumps({"max_abs_diff": float(np.abs(sharded - single).max()), "median_row_rel": float(np.median(rel)),
+                  "max_row_rel": float(rel.max()),
                   "cache_sharding": str(out_cache.sources[0].kv_codes.sharding.spec),
                   "n_devices": len(out_cache.sources[0].kv_codes.sharding.device_set)}))

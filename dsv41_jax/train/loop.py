@@ -54,16 +54,25 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
     run_dir = Path(cfg.checkpoint.dir)
     d = cfg.data
     docs = read_documents(d.source, d.paths, d.max_documents, d.jsonl_key)
+    if cfg.posttrain is not None and d.tokenizer == "train":
+        from dsv41_jax.posttrain.recipe import prepare_tokenizer
+
+        prepare_tokenizer(cfg.posttrain.init_from, run_dir)  # a fine-tuning run keeps its source's tokenizer
     tok_path, token_map = load_or_train(d.tokenizer, run_dir / "tokenizer.json", cfg.model,
                                         docs[: d.tokenizer_train_documents])
     model_cfg = engram_consistent(cfg.model, token_map)
     log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
         f"{len(docs)} documents; tokenizer {tok_path} (engram.compressed_vocab_size "
         f"{model_cfg.engram.compressed_vocab_size})")
-    state, step_fn, _ = init_state(model_cfg, cfg.optim, mesh, cfg.seed, cfg.remat)
-    ds = packed_dataset(docs, tok_path, model_cfg, token_map, seq_len=d.seq_len, batch_size=d.batch_size,
-                        seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count())
-    data = DataState(iter(ds))
+    if cfg.posttrain is None:
+        state, step_fn, _ = init_state(model_cfg, cfg.optim, mesh, cfg.seed, cfg.remat)
+        ds = packed_dataset(docs, tok_path, model_cfg, token_map, seq_len=d.seq_len, batch_size=d.batch_size,
+                            seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count())
+        data = DataState(iter(ds))
+    else:  # QAT + replay fine-tuning from posttrain.init_from (dsv41_jax.posttrain)
+        from dsv41_jax.posttrain.recipe import setup_posttrain
+
+        state, step_fn, ds, data = setup_posttrain(cfg, model_cfg, mesh, tok_path, token_map, docs, log)
     ck = RunCheckpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
     latest = ck.latest_step()
     if latest is not None:

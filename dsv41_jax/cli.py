@@ -184,7 +184,7 @@ def _cmd_eval_served(args) -> int:
 
     boundaries = [None if b == "cold" else int(b) for b in args.boundaries.split(",")]
     eval_run(args.run, args.data, boundaries, ablations=args.ablations, batch_size=args.batch_size,
-             max_len=args.max_len, max_pairs=args.max_pairs, out=args.out)
+             max_len=args.max_len, max_pairs=args.max_pairs, cut=args.cut, out=args.out)
     return 0
 
 
@@ -264,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-len", type=int, default=256, help="tokens per conversation (longer ones are cut)")
     p.add_argument("--max-pairs", type=int, default=256)
+    p.add_argument("--cut", type=int, help="CED cut layer (default: the engines' cut, candidate source + 1)")
     p.add_argument("--out", help="append one JSON line per table row here")
     p.set_defaults(fn=_cmd_eval_served)
     return parser

@@ -149,7 +149,7 @@ def engine_logits(model: Transformer, batch: EvalBatch, hit: np.ndarray, cut: in
     out = np.zeros((b, s, last.shape[-1]), np.float32)
     for i in range(b):
         out[i, n[i] - 1] = last[i, -1]
-        k = batch.length[i] - n[i] - 1
+        k = max(int(batch.length[i] - n[i]) - 1, 0)  # padding rows have no response
         out[i, n[i]: n[i] + k] = resp[i, :k]
     return out
 

@@ -190,6 +190,16 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_eval_served(args) -> int:
+    """The exact-vs-served gap of a run's latest checkpoint on held-out prompt/response pairs."""
+    from dsv41_jax.posttrain.evaluate import eval_run
+
+    boundaries = [None if b == "cold" else int(b) for b in args.boundaries.split(",")]
+    eval_run(args.run, args.data, boundaries, ablations=args.ablations, batch_size=args.batch_size,
+             max_len=args.max_len, max_pairs=args.max_pairs, cut=args.cut, out=args.out)
+    return 0
+
+
 def _add_checkpoint_source(p: argparse.ArgumentParser, run: bool = False) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     if run:
@@ -262,6 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=1.0e-3")
     p.add_argument("--stop-after", type=int, help="stop after this many steps of this invocation (resumable)")
     p.set_defaults(fn=_cmd_train)
+    p = sub.add_parser("eval-served", help="gap between the exact forward and the served path (FP4 cache, CED, "
+                       "bounded replay) on held-out prompt/response jsonl")
+    p.add_argument("--run", required=True, help="a `dsv41 train` run directory (its latest checkpoint)")
+    p.add_argument("--data", required=True, action="append", help="jsonl of prompt/response pairs (repeatable)")
+    p.add_argument("--boundaries", default="cold", help="cache-hit positions, comma-separated; cold = no hit")
+    p.add_argument("--ablations", action="store_true", help="also each approximation alone (simulated path)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=256, help="tokens per conversation (longer ones are cut)")
+    p.add_argument("--max-pairs", type=int, default=256)
+    p.add_argument("--cut", type=int, help="CED cut layer (default: the engines' cut, candidate source + 1)")
+    p.add_argument("--out", help="append one JSON line per table row here")
+    p.set_defaults(fn=_cmd_eval_served)
     return parser
 
 

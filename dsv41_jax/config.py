@@ -22,6 +22,21 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class CacheQuant:
+    """Which cache formats the training forward fake-quantises (spec attention §7, §7.6).
+
+    All on is the released model: the numerics it was post-trained with and the engine serves (the packed
+    cache always stores these formats). Switching one off gives the exact full-precision path for that
+    cache, e.g. for pre-training before QAT or as the reference of a served-gap evaluation. Not part of the
+    HF ``config.json`` (a training choice, not an architecture value).
+    """
+
+    main_kv: bool = True  # NVFP4 (E2M1 + E4M3 per 16) main KV after RoPE (§7.2)
+    index: bool = True  # MXFP4 indexer queries and keys (§7.3)
+    swa: bool = True  # FP8 E4M3 + UE8M0 per 32 SWA KV (§7.1)
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     n_heads: int = 64
     head_dim: int = 512  # = the shared K/V latent width (MQA, one KV head)
@@ -46,6 +61,7 @@ class AttentionConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     original_seq_len: int = 65536
+    cache_quant: CacheQuant = field(default_factory=CacheQuant)
 
     @property
     def candidate_pool_min(self) -> int:

@@ -64,7 +64,7 @@ def replay_after_hit(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S
     """
     w = model.cfg.attention.window_size
     start = hit - w
-    if bool(jnp.any(start < 0)):
+    if not isinstance(start, jax.core.Tracer) and bool(jnp.any(start < 0)):  # traced: the caller checked
         raise ValueError(f"cache hits shorter than the window ({w}) must be recomputed from position 0: {hit}")
     resumed = cache._replace(lengths=start.astype(jnp.int32))
     _check_capacity(model.cfg, resumed, n_new)

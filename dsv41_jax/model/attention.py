@@ -86,14 +86,16 @@ class Attention(nnx.Module):
 
     def window_kv(self, x: Float[Array, "B S D"], pos: Int[Array, "B S"]) -> Float[Array, "B S H"]:
         """This layer's own SWA KV: RoPE, then FP8 fake-quant over all lanes (spec §3.2, §7.1)."""
-        return quant.qdq_fp8_ue8m0(apply_rope(self.kv_norm(self.wkv(x)), pos, self.freqs, heads=False))
+        kv = apply_rope(self.kv_norm(self.wkv(x)), pos, self.freqs, heads=False)
+        return quant.qdq_fp8_ue8m0(kv) if self.cfg.cache_quant.swa else kv
 
     def _publish_kv(self, x: jax.Array, shared: Shared) -> Shared:
         """Main KV and index keys from the compressor latent, positioned at each group's first token (§3.4)."""
         latent = self.compressor(x)  # [B, C, H], pre-RoPE
         cpos = jnp.broadcast_to(jnp.arange(latent.shape[1]) * self.spec.ratio, latent.shape[:2])
         index_k = self.indexer.keys(latent, cpos, self.freqs)  # the indexer reads the latent before RoPE/QDQ
-        main_kv = quant.qdq_nvfp4(apply_rope(latent, cpos, self.freqs, heads=False))
+        main_kv = apply_rope(latent, cpos, self.freqs, heads=False)
+        main_kv = quant.qdq_nvfp4(main_kv) if self.cfg.cache_quant.main_kv else main_kv
         return shared._replace(main_kv=main_kv, index_k=index_k)
 
     def _select(self, x: jax.Array, q_latent: jax.Array, pos: jax.Array, shared: Shared) -> Shared:

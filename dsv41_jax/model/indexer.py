@@ -31,14 +31,15 @@ class Indexer(nnx.Module):
     def keys(self, latent: Float[Array, "B C H"], positions: Int[Array, "B C"], freqs) -> Float[Array, "B C I"]:
         """Index keys from the pre-RoPE compressor latent: RoPE at the group's first position, MXFP4 QDQ."""
         k = apply_rope(self.k_norm(self.wk(latent)), positions, freqs, heads=False)
-        return quant.qdq_mxfp4(k)
+        return quant.qdq_mxfp4(k) if self.cfg.cache_quant.index else k
 
     def queries(self, x: Float[Array, "B S D"], q_latent: Float[Array, "B S R"], positions: Int[Array, "B S"],
                 freqs) -> tuple[Float[Array, "B S N I"], Float[Array, "B S N"]]:
         """MXFP4-QDQ'd index queries and the per-head weights ``weights_proj(x)/sqrt(I·N)`` (fp32)."""
         c = self.cfg
         iq = self.wq_b(q_latent).reshape(*q_latent.shape[:-1], c.index_n_heads, c.index_head_dim)
-        iq = quant.qdq_mxfp4(apply_rope(iq, positions, freqs, heads=True))
+        iq = apply_rope(iq, positions, freqs, heads=True)
+        iq = quant.qdq_mxfp4(iq) if c.cache_quant.index else iq
         w = self.weights_proj(x).astype(jnp.float32) * (c.index_head_dim * c.index_n_heads) ** -0.5
         return iq, w
 

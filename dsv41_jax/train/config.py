@@ -19,6 +19,8 @@ from dsv41_jax import config as C
 from dsv41_jax.config import ConfigError, _build, _fail, read_yaml
 from dsv41_jax.optim import OptimConfig
 from dsv41_jax.optim import from_dict as optim_from_dict
+from dsv41_jax.posttrain.config import PosttrainConfig
+from dsv41_jax.posttrain.config import from_dict as posttrain_from_dict
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 AUTO = -1  # a mesh axis written `auto` takes every device the other axes leave
@@ -108,6 +110,7 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
     remat: str = "none"  # none | full | dots: jax.checkpoint policy of the loss function
+    posttrain: PosttrainConfig | None = None  # QAT + replay fine-tuning (dsv41_jax.posttrain); None: pre-training
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -157,6 +160,8 @@ def from_dict(data: dict, source: str | None = None) -> TrainConfig:
         if key in data:
             sub = _mesh_dict(data[key], source) if key == "mesh" else data[key]
             changes[key] = _build(cls, sub or {}, getattr(base, key), f"{key}.", source)
+    if "posttrain" in data:
+        changes["posttrain"] = posttrain_from_dict(data["posttrain"], source)
     for key, tp in _SCALARS.items():
         if key in data:
             changes[key] = C._check_type(data[key], tp, key, source)

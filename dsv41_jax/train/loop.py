@@ -65,6 +65,10 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
     d = cfg.data
     docs = open_documents(d.source, d.paths, d.max_documents, jsonl_key=d.jsonl_key,
                           parquet_column=d.parquet_column)
+    if cfg.posttrain is not None and d.tokenizer == "train" and jax.process_index() == 0:
+        from dsv41_jax.posttrain.recipe import prepare_tokenizer
+
+        prepare_tokenizer(cfg.posttrain.init_from, run_dir)  # a fine-tuning run keeps its source's tokenizer
     train_docs = (docs[i] for i in range(min(d.tokenizer_train_documents, len(docs))))
     if jax.process_count() > 1:  # process 0 trains and writes the tokenizer; the others wait, then read it
         from jax.experimental import multihost_utils
@@ -77,11 +81,16 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
     log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
         f"{len(docs)} documents; tokenizer {tok_path} (engram.compressed_vocab_size "
         f"{model_cfg.engram.compressed_vocab_size})")
-    state, step_fn, _ = init_state(model_cfg, cfg.optim, mesh, cfg.seed, cfg.remat)
-    ds = packed_dataset(docs, tok_path, model_cfg, token_map, seq_len=d.seq_len, batch_size=d.batch_size,
-                        seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count(),
-                        read_threads=d.read_threads, prefetch=d.prefetch)
-    data = DataState(iter(ds))
+    if cfg.posttrain is None:
+        state, step_fn, _ = init_state(model_cfg, cfg.optim, mesh, cfg.seed, cfg.remat)
+        ds = packed_dataset(docs, tok_path, model_cfg, token_map, seq_len=d.seq_len, batch_size=d.batch_size,
+                            seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count(),
+                            read_threads=d.read_threads, prefetch=d.prefetch)
+        data = DataState(iter(ds))
+    else:  # QAT + replay fine-tuning from posttrain.init_from (dsv41_jax.posttrain)
+        from dsv41_jax.posttrain.recipe import setup_posttrain
+
+        state, step_fn, ds, data = setup_posttrain(cfg, model_cfg, mesh, tok_path, token_map, docs, log)
     ck = RunCheckpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
     resumed = ck.restore_latest(state, log=log)
     if resumed is not None:

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from dsv41_jax import cache as C
 from dsv41_jax import config

@@ -161,7 +161,16 @@ def _block_runner(remat: str, indexer_target: str | None):
     def run(block, x, pre, shared, is_image, docs):
         return block(x, pre, shared, is_image, docs, indexer_target=indexer_target)
 
-    return run if remat == "none" else nnx.remat(run, policy=REMAT[remat])
+    if remat == "none":
+        return run
+
+    def rematerialised(block, *args):
+        # a pure function of the block's state: nnx.remat would also write the state back, and the router
+        # biases may belong to an outer trace (they are not differentiated)
+        graphdef, state = nnx.split(block)
+        return jax.checkpoint(lambda st, *a: run(nnx.merge(graphdef, st), *a), policy=REMAT[remat])(state, *args)
+
+    return rematerialised
 
 
 def _documents(segment_ids, positions, shape) -> Documents | None:

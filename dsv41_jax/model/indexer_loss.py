@@ -10,8 +10,9 @@ attention's probability mass summed over heads and L1-normalised, without gradie
   default: an indexer trained from scratch starts with an arbitrary selection, and only the dense support
   tells it that an entry it did not pick deserved attention.
 - ``topk``: the entries it selected (V3.2's sparse stage); the target is the probability the sparse
-  attention actually gave them, no extra pass for the loss. Cheaper at long context once the indexer is
-  good; it can only re-rank its own picks.
+  attention actually gave them, so the loss needs no extra pass. Meant for long context once the indexer
+  is good; it can only re-rank its own picks. (The agreement metric below still runs the dense pass
+  whenever stats are asked for; at long context it would have to be sampled.)
 
 The indexer is detached from the main model (as in V3.2): its inputs (the block input, the query latent,
 the compressor latent) carry no gradient back, so it learns only from this loss and the main model gets

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -39,3 +40,14 @@ def golden_dir() -> Path:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session")
+def tiny8_cfg(tiny_cfg) -> C.ModelConfig:
+    """The tiny preset cut to 8 layers, still one of each role: SWA (0, 1), Full m=2 (2), Reuse m=2 (3),
+    Full m=1 candidate source (4), Reuse m=1 (5, 7), Reindex restricted to the candidates (6); Engram at 1 and
+    4. About 2/3 of the tiny model's compile time, for tests that compile several programs."""
+    a, d = tiny_cfg.attention, tiny_cfg.dspark
+    attention = dataclasses.replace(a, compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0), kv_source_layers=(2, 4),
+                                    index_source_layers=(2, 4, 6), candidate_source_layer=4)
+    return tiny_cfg.replace(n_layers=8, attention=attention, dspark=dataclasses.replace(d, target_layer_ids=(5, 6, 7)))

@@ -6,9 +6,8 @@ so n-grams never reach across documents. Packing is concat-then-split (grain's `
 piece. A document longer than a row is split deterministically; its later pieces start new segments.
 (The release uses best-fit packing, spec §9.4; concat-then-split wastes nothing but splits more.)
 
-The model has no document masking inside attention yet, so segment ids only shape the loss (no target across
-a document boundary) and packed documents can attend to their neighbours in a row; in-attention masking is
-left for later. Positions are returned for that later use; the model numbers positions 0..S-1 per row.
+Segment ids shape the loss (no target across a document boundary) and, with the positions, the model's
+document masking: no information flows between the documents of a row (``dsv41_jax.model.documents``).
 
 Determinism: the document order is a seeded shuffle, each host takes every ``process_count``-th document,
 and the iterator state (``get_state`` / ``set_state``) resumes mid-epoch exactly. The documents are any

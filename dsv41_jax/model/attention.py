@@ -17,10 +17,12 @@ from jaxtyping import Array, Bool, Float, Int
 from dsv41_jax import quant
 from dsv41_jax.config import AttentionConfig
 from dsv41_jax.model.compressor import Compressor
+from dsv41_jax.model.documents import Documents, Entries, entries, from_document, to_document, visible
 from dsv41_jax.model.indexer import Indexer, candidate_blocks, expand_blocks, select_topk
+from dsv41_jax.model.indexer_loss import IndexerStats, indexer_stats
 from dsv41_jax.model.layers import Linear, RMSNorm
 from dsv41_jax.model.rope import apply_rope, rope_frequencies
-from dsv41_jax.model.sparse import sparse_attention
+from dsv41_jax.model.sparse import entry_mass, sparse_attention
 from dsv41_jax.sharding import param
 from dsv41_jax.topology import LayerSpec
 
@@ -31,7 +33,10 @@ class Shared(NamedTuple):
     main_kv: Float[Array, "B C H"] | None = None  # post-RoPE, FP4-QDQ'd main KV of the latest KV source
     index_k: Float[Array, "B C I"] | None = None  # MXFP4-QDQ'd index keys of the latest KV source
     topk: Int[Array, "B S K"] | None = None  # selection of the latest index source
-    candidates: Bool[Array, "B S NB"] | None = None  # kept blocks of the candidate source
+    # kept blocks of the candidate source; with documents, block b of a query covers the entries
+    # lo + [b·size, (b+1)·size) counted from its document's first entry (dsv41_jax.model.documents)
+    candidates: Bool[Array, "B S NB"] | None = None
+    indexer: IndexerStats | None = None  # of the index source that just ran, when asked for
 
 
 class Attention(nnx.Module):
@@ -60,22 +65,40 @@ class Attention(nnx.Module):
     def freqs(self):
         return rope_frequencies(self.cfg, self.spec.rope)
 
-    def __call__(self, x: Float[Array, "B S D"], shared: Shared) -> tuple[Float[Array, "B S D"], Shared]:
-        """Training-mode forward over a whole sequence starting at position 0."""
+    def __call__(self, x: Float[Array, "B S D"], shared: Shared, docs: Documents | None = None, *,
+                 indexer_target: str | None = None) -> tuple[Float[Array, "B S D"], Shared]:
+        """Training-mode forward over whole rows.
+
+        Without ``docs`` a row is one sequence starting at position 0. With ``docs`` (packed documents,
+        :mod:`dsv41_jax.model.documents`) no information crosses a document boundary. With
+        ``indexer_target`` (``dense`` | ``topk``) an index source also returns its :class:`IndexerStats`
+        in ``shared.indexer`` (:mod:`dsv41_jax.model.indexer_loss`).
+        """
         cfg, spec = self.cfg, self.spec
         b, s, _ = x.shape
-        pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+        pos = jnp.broadcast_to(jnp.arange(s), (b, s)) if docs is None else docs.positions
+        floor = None if docs is None else docs.start
         q, q_latent = self.query(x, pos)
         window_kv = self.window_kv(x, pos)
+        sink = self.attn_sink[...]
+        if not spec.compressed:
+            o = sparse_attention(q, window_kv, sink, cfg.window_size, key_floor=floor)
+            return self.output(o, pos), shared
+        ent = entries(docs, spec.ratio, b, s)
         if spec.owns_compressor:
-            shared = self._publish_kv(x, shared)
-        if spec.has_indexer:
-            shared = self._select(x, q_latent, pos, shared)
-        if spec.compressed:
-            o = sparse_attention(q, window_kv, self.attn_sink[...], cfg.window_size, shared.main_kv, shared.topk)
-        else:
-            o = sparse_attention(q, window_kv, self.attn_sink[...], cfg.window_size)
-        return self.output(o, pos), shared
+            shared = self._publish_kv(x, shared, ent)
+        if not (spec.has_indexer and indexer_target):
+            if spec.has_indexer:
+                shared = self._select(x, q_latent, pos, shared, ent)[0]
+            o = sparse_attention(q, window_kv, sink, cfg.window_size, shared.main_kv, shared.topk, key_floor=floor)
+            return self.output(o, pos), shared
+        shared, scores = self._select(x, q_latent, pos, shared, ent)
+        o, topk_mass = sparse_attention(q, window_kv, sink, cfg.window_size, shared.main_kv, shared.topk,
+                                        key_floor=floor, return_mass=True)
+        vis = visible(ent, shared.main_kv.shape[1])
+        dense = entry_mass(q, window_kv, sink, cfg.window_size, shared.main_kv, vis, key_floor=floor)
+        stats = indexer_stats(indexer_target, scores, vis, dense, shared.topk, topk_mass)
+        return self.output(o, pos), shared._replace(indexer=stats)
 
     def query(self, x: Float[Array, "B S D"], pos: Int[Array, "B S"]):
         """``(q [B,S,N,H] with RoPE on the trailing lanes, q_latent [B,S,R])`` (spec §3.1)."""
@@ -89,26 +112,33 @@ class Attention(nnx.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x)), pos, self.freqs, heads=False)
         return quant.qdq_fp8_ue8m0(kv) if self.cfg.cache_quant.swa else kv
 
-    def _publish_kv(self, x: jax.Array, shared: Shared) -> Shared:
+    def _publish_kv(self, x: jax.Array, shared: Shared, ent: Entries) -> Shared:
         """Main KV and index keys from the compressor latent, positioned at each group's first token (§3.4)."""
-        latent = self.compressor(x)  # [B, C, H], pre-RoPE
-        cpos = jnp.broadcast_to(jnp.arange(latent.shape[1]) * self.spec.ratio, latent.shape[:2])
-        index_k = self.indexer.keys(latent, cpos, self.freqs)  # the indexer reads the latent before RoPE/QDQ
-        main_kv = apply_rope(latent, cpos, self.freqs, heads=False)
+        latent = self.compressor(x, ent.first)  # [B, C, H], pre-RoPE
+        # the indexer reads the latent before RoPE/QDQ, detached: it learns only from its own loss
+        index_k = self.indexer.keys(jax.lax.stop_gradient(latent), ent.positions, self.freqs)
+        main_kv = apply_rope(latent, ent.positions, self.freqs, heads=False)
         main_kv = quant.qdq_nvfp4(main_kv) if self.cfg.cache_quant.main_kv else main_kv
         return shared._replace(main_kv=main_kv, index_k=index_k)
 
-    def _select(self, x: jax.Array, q_latent: jax.Array, pos: jax.Array, shared: Shared) -> Shared:
+    def _select(self, x: jax.Array, q_latent: jax.Array, pos: jax.Array, shared: Shared, ent: Entries
+                ) -> tuple[Shared, jax.Array]:
+        """Top-k (and candidates) of an index source; also returns its scores before candidate restriction."""
         cfg, spec = self.cfg, self.spec
-        n_visible = (pos + 1) // spec.ratio  # t visible iff t < (p+1) div m (spec §3.5)
-        scores = self.indexer.scores(x, q_latent, pos, self.freqs, shared.index_k, n_visible)
+        x, q_latent = jax.lax.stop_gradient((x, q_latent))  # the indexer is detached (indexer_loss)
+        # entry t is visible iff lo ≤ t < hi; hi = (p+1) div m without documents (spec §3.5)
+        scores = self.indexer.scores(x, q_latent, pos, self.freqs, shared.index_k, ent.hi, ent.lo)
+        restricted, t = scores, scores.shape[-1]
         if spec.candidate_source:
-            blocks = candidate_blocks(scores, n_visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+            own = scores if ent.lo is None else to_document(scores, ent.lo, -jnp.inf)
+            n_own = ent.hi if ent.lo is None else ent.hi - ent.lo
+            blocks = candidate_blocks(own, n_own, cfg.candidate_block_size, cfg.candidate_topk_blocks)
             shared = shared._replace(candidates=blocks)
         if spec.uses_candidates:
-            allowed = expand_blocks(shared.candidates, cfg.candidate_block_size, scores.shape[-1])
-            scores = jnp.where(allowed, scores, -jnp.inf)
-        return shared._replace(topk=select_topk(scores, cfg.index_topk, n_visible))
+            allowed = expand_blocks(shared.candidates, cfg.candidate_block_size, t)
+            allowed = allowed if ent.lo is None else from_document(allowed, ent.lo, False)
+            restricted = jnp.where(allowed, scores, -jnp.inf)
+        return shared._replace(topk=select_topk(restricted, cfg.index_topk, ent.hi, ent.lo)), scores
 
     def output(self, o: Float[Array, "B S N H"], pos: jax.Array) -> Float[Array, "B S D"]:
         """Inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b`` (spec §3.7)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from dsv41_jax.model.layers import Linear, RMSNorm
 
@@ -24,12 +24,21 @@ class Compressor(nnx.Module):
         self.norm = RMSNorm(head_dim, norm_eps, param_dtype=param_dtype)
         self.ratio = ratio
 
-    def __call__(self, x: Float[Array, "B S D"]) -> Float[Array, "B C H"]:
-        """Latents of the complete groups of a sequence that starts at position 0."""
+    def __call__(self, x: Float[Array, "B S D"], first: Int[Array, "B C"] | None = None) -> Float[Array, "B C H"]:
+        """Latents of the complete groups of a sequence that starts at position 0.
+
+        ``first`` (packed documents, :mod:`dsv41_jax.model.documents`) gives the row of each group's first
+        token instead: groups then follow document boundaries rather than ``j·m`` of the row.
+        """
         m = self.ratio
-        if m == 1:
+        if m == 1:  # every token is a group of its own, whatever the documents
             return self.norm(self.wkv(x))
         b, s, _ = x.shape
+        if first is not None:
+            c, z = self.project(x)
+            rows = (first[..., None] + jnp.arange(m)).reshape(b, -1, 1)  # [B, C·m, 1]
+            group = lambda v: jnp.take_along_axis(v, rows, axis=1).reshape(b, -1, m, v.shape[-1])
+            return self.pool(group(c), group(z), x.dtype)
         t = s // m
         c, z = self.project(x[:, : t * m])
         return self.pool(c.reshape(b, t, m, -1), z.reshape(b, t, m, -1), x.dtype)

@@ -44,11 +44,18 @@ class Indexer(nnx.Module):
         return iq, w
 
     def scores(self, x: Float[Array, "B S D"], q_latent: Float[Array, "B S R"], positions: Int[Array, "B S"],
-               freqs, index_k: Float[Array, "B T I"], n_visible: Int[Array, "B S"]) -> Float[Array, "B S T"]:
-        """``I[s, t] = Σ_h w[s, h]·ReLU(q[s, h]·k[t])``, −∞ where ``t ≥ n_visible[s]`` (fp32)."""
+               freqs, index_k: Float[Array, "B T I"], n_visible: Int[Array, "B S"],
+               lo: Int[Array, "B S"] | None = None) -> Float[Array, "B S T"]:
+        """``I[s, t] = Σ_h w[s, h]·ReLU(q[s, h]·k[t])``, −∞ unless ``lo[s] ≤ t < n_visible[s]`` (fp32).
+
+        ``lo`` (default 0) is the first entry of the query's document in a packed row.
+        """
         iq, w = self.queries(x, q_latent, positions, freqs)
         scores = index_scores(iq, w, index_k)
-        visible = jnp.arange(index_k.shape[1]) < n_visible[..., None]
+        t = jnp.arange(index_k.shape[1])
+        visible = t < n_visible[..., None]
+        if lo is not None:
+            visible = visible & (t >= lo[..., None])
         return jnp.where(visible, scores, -jnp.inf)
 
 
@@ -103,8 +110,16 @@ def expand_blocks(blocks: Bool[Array, "B S NB"], block_size: int, length: int) -
     return jnp.repeat(blocks, block_size, axis=-1)[..., :length]
 
 
-def select_topk(scores: Float[Array, "B S T"], k: int, n_visible: Int[Array, "B S"]) -> Int[Array, "B S K"]:
-    """The ``min(k, T)`` best positions, ascending; picks at invisible positions become −1 (spec §3.5)."""
+def select_topk(scores: Float[Array, "B S T"], k: int, n_visible: Int[Array, "B S"],
+                lo: Int[Array, "B S"] | None = None) -> Int[Array, "B S K"]:
+    """The ``min(k, T)`` best positions, ascending; picks outside ``[lo, n_visible)`` become −1 (spec §3.5).
+
+    ``lo`` (default 0) is the first entry of the query's document: another document's entry is never kept,
+    even as a −∞ filler.
+    """
     _, idx = jax.lax.top_k(scores, min(k, scores.shape[-1]))
     idx = jnp.sort(idx, axis=-1)
-    return jnp.where(idx < n_visible[..., None], idx, -1).astype(jnp.int32)
+    keep = idx < n_visible[..., None]
+    if lo is not None:
+        keep = keep & (idx >= lo[..., None])
+    return jnp.where(keep, idx, -1).astype(jnp.int32)

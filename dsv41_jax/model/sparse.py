@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 NEG_INF = -jnp.inf
 
@@ -48,7 +48,9 @@ def sparse_attention(
     prefix_kv: Float[Array, "B P H"] | None = None,
     prefix_pos: Int[Array, "B P"] | None = None,
     picked: Float[Array, "B S K H"] | None = None,
-) -> Float[Array, "B S N H"]:
+    key_floor: Int[Array, "B S"] | None = None,
+    return_mass: bool = False,
+) -> Float[Array, "B S N H"] | tuple[Float[Array, "B S N H"], Float[Array, "B S K"]]:
     """Attention of a chunk of consecutive query positions to its window and its selected compressed entries.
 
     Row ``i`` is at absolute position ``p = start + i`` (``start`` defaults to 0). It sees window keys at
@@ -58,9 +60,71 @@ def sparse_attention(
     only the denominator. Logits and the denominator are fp32; probabilities are cast to the activation
     dtype before P·V (spec §3.6). No [S, T] mask is built: the chunk is processed in blocks of W queries
     against their own and the previous block (one block of S queries when S ≤ W).
+
+    ``key_floor`` (training on packed documents) is each query's lowest visible row of this chunk: the
+    first token of its document, so the window never reaches into the previous document. With
+    ``return_mass`` the result is ``(out, mass)``, ``mass[i, k] = Σ_h P_h(topk[i, k])`` the probability each
+    selected entry got, summed over heads, without gradient (the indexer's sparse-stage target).
     """
+    if key_floor is not None and prefix_kv is not None:
+        raise ValueError("sparse_attention: key_floor (document starts of a training row) cannot be combined "
+                         "with prefix_kv (a cache prefix)")
     b, s, n, h = q.shape
-    dt, scale = q.dtype, h ** -0.5
+    dt = q.dtype
+    qc, parts, nc, blk = _window_parts(q, window_kv, window, replay_start, start, key_floor)
+    if prefix_kv is not None:
+        start = jnp.zeros((b,), jnp.int32) if start is None else start
+        floor = jnp.broadcast_to(jnp.asarray(replay_start, jnp.int32), (b,))  # absolute replay start
+        qpos = start[:, None] + jnp.arange(nc * blk)[None]  # [B, S']
+        kp = prefix_pos[:, None, :]
+        mask = (kp >= 0) & (kp > qpos[..., None] - window) & (kp >= floor[:, None, None])
+        mask = mask.reshape(b, nc, blk, 1, -1)
+        parts.append((_logits("bcinh,bph->bcinp", qc, prefix_kv, h ** -0.5, mask),
+                      lambda p: jnp.einsum("bcinp,bph->bcinh", p, prefix_kv, preferred_element_type=jnp.float32)))
+    if topk is not None:
+        if picked is None:
+            picked = jax.vmap(lambda kv_, i: kv_[jnp.maximum(i, 0)])(compressed_kv, topk)  # [B, S, K, H]
+        pc = _pad_seq(picked, nc * blk).reshape(b, nc, blk, -1, h)
+        mask = (_pad_seq(topk, nc * blk, value=-1) >= 0).reshape(b, nc, blk, 1, -1)
+        parts.append((_logits("bcinh,bcikh->bcink", qc, pc, h ** -0.5, mask),
+                      lambda p: jnp.einsum("bcink,bcikh->bcinh", p, pc, preferred_element_type=jnp.float32)))
+    out, mx, den = _softmax_with_sink(parts, sink, dt)
+    out = out.reshape(b, nc * blk, n, h)[:, :s].astype(dt)
+    if not return_mass:
+        return out
+    if topk is None:
+        raise ValueError("sparse_attention: return_mass needs compressed entries (topk)")
+    return out, _head_mass(parts[-1][0], mx, den, s)
+
+
+def entry_mass(
+    q: Float[Array, "B S N H"],
+    window_kv: Float[Array, "B S H"],
+    sink: Float[Array, "N"],
+    window: int,
+    compressed_kv: Float[Array, "B T H"],
+    visible: Bool[Array, "B S T"],
+    *,
+    key_floor: Int[Array, "B S"] | None = None,
+) -> Float[Array, "B S T"]:
+    """``Σ_h P_h(t)``: the probability the main attention would give each compressed entry ``t`` if the query
+    attended to every entry of ``visible`` besides its window and the sink, in one softmax (spec §3.6).
+
+    The dense-stage target of the indexer loss and the reference of the top-k agreement metric. fp32, no
+    gradient. It costs one extra ``q·K`` over every visible entry ([B, S, N, T] logits), forward only.
+    """
+    q, window_kv, sink, compressed_kv = jax.lax.stop_gradient((q, window_kv, sink, compressed_kv))
+    b, s, n, h = q.shape
+    qc, parts, nc, blk = _window_parts(q, window_kv, window, 0, None, key_floor)
+    mask = _pad_seq(visible, nc * blk, value=False).reshape(b, nc, blk, 1, -1)
+    parts.append((_logits("bcinh,bth->bcint", qc, compressed_kv, h ** -0.5, mask), None))
+    mx, den = _max_and_denominator(parts, sink)
+    return _head_mass(parts[-1][0], mx, den, s)
+
+
+def _window_parts(q, window_kv, window: int, replay_start, start, key_floor):
+    """Queries in blocks of W against their own and the previous block: ``(qc, [(logits, pv)], nc, blk)``."""
+    b, s, n, h = q.shape
     start = jnp.zeros((b,), jnp.int32) if start is None else start
     floor = jnp.broadcast_to(jnp.asarray(replay_start, jnp.int32), (b,)) - start  # chunk-local replay start
     # blocks of W queries see their own and the previous block; a chunk no longer than W (e.g. a decode
@@ -72,24 +136,19 @@ def sparse_attention(
     band = kv if nc == 1 else jnp.concatenate([jnp.pad(kv[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0))), kv], axis=2)
     kloc = _band_keys(nc, blk)  # [c, K] chunk-local
     band_mask = _band_mask(nc, blk, window)[None] & (kloc[None, :, None, :] >= floor[:, None, None, None])
-    parts = [(_logits("bcinh,bcjh->bcinj", qc, band, scale, band_mask[:, :, :, None, :]),
+    if key_floor is not None:  # [B, c, blk, K]: keys before the query's document start are invisible
+        band_mask = band_mask & (kloc[None, :, None, :] >= _pad_seq(key_floor, nc * blk).reshape(b, nc, blk, 1))
+    parts = [(_logits("bcinh,bcjh->bcinj", qc, band, h ** -0.5, band_mask[:, :, :, None, :]),
               lambda p: jnp.einsum("bcinj,bcjh->bcinh", p, band, preferred_element_type=jnp.float32))]
-    if prefix_kv is not None:
-        qpos = start[:, None] + jnp.arange(nc * blk)[None]  # [B, S']
-        kp = prefix_pos[:, None, :]
-        mask = (kp >= 0) & (kp > qpos[..., None] - window) & (kp >= (floor + start)[:, None, None])
-        mask = mask.reshape(b, nc, blk, 1, -1)
-        parts.append((_logits("bcinh,bph->bcinp", qc, prefix_kv, scale, mask),
-                      lambda p: jnp.einsum("bcinp,bph->bcinh", p, prefix_kv, preferred_element_type=jnp.float32)))
-    if topk is not None:
-        if picked is None:
-            picked = jax.vmap(lambda kv_, i: kv_[jnp.maximum(i, 0)])(compressed_kv, topk)  # [B, S, K, H]
-        pc = _pad_seq(picked, nc * blk).reshape(b, nc, blk, -1, h)
-        mask = (_pad_seq(topk, nc * blk, value=-1) >= 0).reshape(b, nc, blk, 1, -1)
-        parts.append((_logits("bcinh,bcikh->bcink", qc, pc, scale, mask),
-                      lambda p: jnp.einsum("bcink,bcikh->bcinh", p, pc, preferred_element_type=jnp.float32)))
-    out = _softmax_with_sink(parts, sink, dt)
-    return out.reshape(b, nc * blk, n, h)[:, :s].astype(dt)
+    return qc, parts, nc, blk
+
+
+def _head_mass(logits, mx, den, s: int):
+    """Σ over heads of ``exp(logits − mx) / den`` for one part, [B, S, K], without gradient."""
+    logits, mx, den = jax.lax.stop_gradient((logits, mx, den))
+    mass = (jnp.exp(logits - mx) / den[..., None]).sum(-2)  # [b, c, blk, K]
+    b, nc, blk, k = mass.shape
+    return mass.reshape(b, nc * blk, k)[:, :s]
 
 
 def _logits(spec: str, q: jax.Array, k: jax.Array, scale: float, mask: jax.Array) -> jax.Array:
@@ -97,8 +156,26 @@ def _logits(spec: str, q: jax.Array, k: jax.Array, scale: float, mask: jax.Array
     return jnp.where(mask, logits, NEG_INF)
 
 
-def _softmax_with_sink(parts, sink: jax.Array, dtype) -> jax.Array:
-    """One softmax over every part's keys plus the sink logit, which joins only the denominator."""
+def _max_and_denominator(parts, sink: jax.Array):
+    """The running max (sink included, no gradient) and the softmax denominator over every part's keys."""
+    sink = sink.astype(jnp.float32)[:, None]  # [N, 1]
+    mx = sink
+    for logits, _ in parts:
+        mx = jnp.maximum(mx, logits.max(-1, keepdims=True))
+    mx = jax.lax.stop_gradient(mx)
+    den = jnp.exp(sink - mx)[..., 0]
+    for logits, _ in parts:
+        den = den + jnp.exp(logits - mx).sum(-1)
+    return mx, den
+
+
+def _softmax_with_sink(parts, sink: jax.Array, dtype):
+    """One softmax over every part's keys plus the sink logit, which joins only the denominator.
+
+    Returns ``(out, mx, den)``: the attention output and the max and denominator it used. (Written out
+    rather than through :func:`_max_and_denominator`: sharing ``p`` between numerator and denominator keeps
+    the gradient's summation order, bit for bit.)
+    """
     sink = sink.astype(jnp.float32)[:, None]  # [N, 1]
     mx = sink
     for logits, _ in parts:
@@ -110,7 +187,7 @@ def _softmax_with_sink(parts, sink: jax.Array, dtype) -> jax.Array:
         p = jnp.exp(logits - mx)
         den = den + p.sum(-1)
         out = out + pv(p.astype(dtype))
-    return out / den[..., None]
+    return out / den[..., None], mx, den
 
 
 def dense_attention(

@@ -11,7 +11,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.attention import Attention, Shared
+from dsv41_jax.model.documents import Documents, documents
 from dsv41_jax.model.engram import Engram
+from dsv41_jax.model.indexer_loss import TARGETS, IndexerStats
 from dsv41_jax.model.layers import RMSNorm, normal
 from dsv41_jax.model.mhc import collapse, expand, hc_mixes, hc_params
 from dsv41_jax.model.moe import MoE, Routing
@@ -37,9 +39,10 @@ class Block(nnx.Module):
         self.mhc, self.norm_eps, self.spec = cfg.mhc, cfg.norm_eps, spec
 
     def __call__(self, x: Float[Array, "B S M D"], pre: Float[Array, "B S M"], shared: Shared,
-                 is_image: Bool[Array, "B S"] | None):
+                 is_image: Bool[Array, "B S"] | None, docs: Documents | None = None, *,
+                 indexer_target: str | None = None):
         def attend(u):
-            return self.attn(u, shared)
+            return self.attn(u, shared, docs, indexer_target=indexer_target)
 
         return self.run(x, pre, attend, is_image)
 
@@ -72,6 +75,7 @@ class Aux(NamedTuple):
     pre: tuple[jax.Array, ...]  # the pre-mix each block hands on [B, S, M]
     shared: tuple[Shared, ...]  # CSA2 state after each block
     main_hidden: jax.Array | None  # DSpark target features [B, S, len(targets)·D]
+    indexer: tuple[IndexerStats, ...] = ()  # one per index source, when an indexer target was asked for
 
 
 class Transformer(nnx.Module):
@@ -86,34 +90,51 @@ class Transformer(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, tokens: Int[Array, "B S"], engram_rows: Int[Array, "B S L C"] | None = None,
-                 is_image: Bool[Array, "B S"] | None = None, *, return_aux: bool = False):
-        """Teacher-forced forward from position 0: fp32 logits [B, S, V] (and :class:`Aux`).
+                 is_image: Bool[Array, "B S"] | None = None, *, segment_ids: Int[Array, "B S"] | None = None,
+                 positions: Int[Array, "B S"] | None = None, return_aux: bool = False,
+                 indexer_target: str | None = None, remat: str = "none"):
+        """Teacher-forced forward: fp32 logits [B, S, V] (and :class:`Aux`).
 
         ``engram_rows`` are the host-computed row ids of every Engram layer (``engram_hash``); image-span
-        positions (``is_image``) use ``bias_vl`` in the router and are DEAD for Engram.
+        positions (``is_image``) use ``bias_vl`` in the router and are DEAD for Engram. Without
+        ``segment_ids`` each row is one sequence from position 0. With them, rows are packed documents
+        (numbered runs, 0 = padding) and no information flows between the documents of a row; RoPE uses
+        ``positions`` (default: the offset in the document). See :mod:`dsv41_jax.model.documents`.
+
+        ``indexer_target`` (``dense`` | ``topk``) adds each index source's :class:`IndexerStats` to the aux
+        (:mod:`dsv41_jax.model.indexer_loss`). ``remat`` rematerialises each block in the backward pass:
+        ``none``, ``block`` (save only the block inputs) or ``dots`` (save the matmul outputs).
         """
         h = jnp.take(self.embed.weight[...], tokens, axis=0).astype(self.cfg.dtype)
-        return self.forward_embeddings(h, engram_rows, is_image, return_aux=return_aux)
+        return self.forward_embeddings(h, engram_rows, is_image, segment_ids=segment_ids, positions=positions,
+                                       return_aux=return_aux, indexer_target=indexer_target, remat=remat)
 
     def forward_embeddings(self, h: Float[Array, "B S D"], engram_rows: Int[Array, "B S L C"] | None = None,
-                           is_image: Bool[Array, "B S"] | None = None, *, return_aux: bool = False):
-        """The forward from input embeddings (image rows already merged in)."""
+                           is_image: Bool[Array, "B S"] | None = None, *,
+                           segment_ids: Int[Array, "B S"] | None = None, positions: Int[Array, "B S"] | None = None,
+                           return_aux: bool = False, indexer_target: str | None = None, remat: str = "none"):
+        """The forward from input embeddings (image rows already merged in); arguments as :meth:`__call__`."""
         cfg = self.cfg
         if cfg.engram.layer_ids and engram_rows is None:
             raise ValueError("this config has Engram layers: pass engram_rows [B, S, n_engram_layers, columns] "
                              "from dsv41_jax.engram_hash")
         b, s, _ = h.shape
+        docs = _documents(segment_ids, positions, (b, s))
+        run_block = _block_runner(remat, indexer_target)
         m = cfg.mhc.hc_mult
         x = jnp.broadcast_to(h.astype(cfg.dtype)[:, :, None, :], (b, s, m, cfg.dim))
         pre = jnp.broadcast_to(jax.nn.one_hot(0, m, dtype=jnp.float32), (b, s, m))  # first site selects stream 0
         shared = Shared()
-        routing, streams, pres, shareds, targets = [], [], [], [], []
+        routing, streams, pres, shareds, targets, stats = [], [], [], [], [], []
         for i, block in enumerate(self.layers):
             if block.spec.engram:
                 x = block.engram(x, engram_rows[:, :, cfg.engram.layer_ids.index(i)], is_image)
             if i in cfg.dspark.target_layer_ids:
                 targets.append(x.astype(jnp.float32).mean(axis=2).astype(x.dtype))
-            x, pre, shared, r = block(x, pre, shared, is_image)
+            x, pre, shared, r = run_block(block, x, pre, shared, is_image, docs)
+            if shared.indexer is not None:
+                stats.append(shared.indexer)
+                shared = shared._replace(indexer=None)
             routing.append(r)
             if return_aux:
                 streams.append(x), pres.append(pre), shareds.append(shared)
@@ -123,7 +144,43 @@ class Transformer(nnx.Module):
         if not return_aux:
             return logits
         main_hidden = jnp.concatenate(targets, axis=-1) if targets else None
-        return logits, Aux(tuple(routing), tuple(streams), tuple(pres), tuple(shareds), main_hidden)
+        return logits, Aux(tuple(routing), tuple(streams), tuple(pres), tuple(shareds), main_hidden, tuple(stats))
+
+
+REMAT = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
+         "dots": jax.checkpoint_policies.dots_saveable}
+
+
+def _block_runner(remat: str, indexer_target: str | None):
+    """``f(block, x, pre, shared, is_image, docs)`` running one block, rematerialised per ``remat``."""
+    if remat not in REMAT:
+        raise ValueError(f"remat must be one of {sorted(REMAT)}, got {remat!r}")
+    if indexer_target is not None and indexer_target not in TARGETS:
+        raise ValueError(f"indexer_target must be None or one of {TARGETS}, got {indexer_target!r}")
+
+    def run(block, x, pre, shared, is_image, docs):
+        return block(x, pre, shared, is_image, docs, indexer_target=indexer_target)
+
+    if remat == "none":
+        return run
+
+    def rematerialised(block, *args):
+        # a pure function of the block's state: nnx.remat would also write the state back, and the router
+        # biases may belong to an outer trace (they are not differentiated)
+        graphdef, state = nnx.split(block)
+        return jax.checkpoint(lambda st, *a: run(nnx.merge(graphdef, st), *a), policy=REMAT[remat])(state, *args)
+
+    return rematerialised
+
+
+def _documents(segment_ids, positions, shape) -> Documents | None:
+    if segment_ids is None:
+        if positions is not None:
+            raise ValueError("positions were given without segment_ids: pass the packed rows' segment_ids too")
+        return None
+    if tuple(jnp.shape(segment_ids)) != shape:
+        raise ValueError(f"segment_ids {tuple(jnp.shape(segment_ids))} must be [B, S] = {shape} like the tokens")
+    return documents(segment_ids, positions)
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:

@@ -48,6 +48,11 @@ class OptimConfig:
     # MoE balance, spec §5.3 / §9.4
     bias_update_speed: float = 1e-3
     seq_balance_alpha: float = 1e-4
+    # indexer KL (DeepSeek-V3.2's objective; V4.1's is not published, spec model §9.5): weight, and support
+    # `dense` (every entry a query may see) or `topk` (its selection); see dsv41_jax.model.indexer_loss.
+    # 0 leaves the indexer at its initialisation (it gets no LM-loss gradient) and skips the extra pass.
+    indexer_kl_weight: float = 0.0
+    indexer_kl_over: str = "dense"
     # dtype of the momentum buffers (Muon, Sinkhorn, Adam's first moment); Adam's second moment stays fp32
     state_dtype: str = "float32"
 
@@ -80,6 +85,10 @@ def validate(c: OptimConfig) -> None:
         raise ConfigError("'ns_steps' and 'ns_tail_steps' must be ≥ 0 with at least one iteration in total")
     if c.sinkhorn_iters < 1:
         raise ConfigError(f"'sinkhorn_iters' must be ≥ 1, got {c.sinkhorn_iters}")
+    if c.indexer_kl_weight < 0:
+        raise ConfigError(f"'indexer_kl_weight' must be ≥ 0, got {c.indexer_kl_weight}")
+    if c.indexer_kl_over not in ("dense", "topk"):
+        raise ConfigError(f"'indexer_kl_over' must be 'dense' or 'topk', got {c.indexer_kl_over!r}")
     if c.state_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"'state_dtype' must be 'float32' or 'bfloat16', got {c.state_dtype!r}")
 

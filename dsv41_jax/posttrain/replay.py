@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from dsv41_jax.model.attention import Attention, Shared
+from dsv41_jax.model.documents import entries
 from dsv41_jax.model.mhc import collapse
 from dsv41_jax.model.moe import Routing
 from dsv41_jax.model.sparse import sparse_attention
@@ -90,7 +91,9 @@ def prefix_global_kv(model: Transformer, tokens: Int[Array, "B S"], engram_rows:
     for i, block in enumerate(model.layers[: last + 1]):
         x = _engram(model, i, x, engram_rows, is_image)
         if i == last:  # only its compressor is needed
-            shared = block.attn._publish_kv(block.attn_norm(collapse(x, pre)), shared)
+            u = block.attn_norm(collapse(x, pre))
+            ent = entries(None, block.spec.ratio, u.shape[0], u.shape[1])
+            shared = block.attn._publish_kv(u, shared, ent)
         else:
             x, pre, shared, _ = block(x, pre, shared, is_image)
         if block.spec.owns_compressor:
@@ -116,12 +119,13 @@ def served_attention(attn: Attention, x: Float[Array, "B S D"], shared: Shared, 
     pos = jnp.broadcast_to(jnp.arange(s), (b, s))
     q, q_latent = attn.query(x, pos)
     window_kv = attn.window_kv(x, pos)
+    ent = entries(None, spec.ratio, b, s) if spec.compressed else None
     if spec.owns_compressor:
-        shared = attn._publish_kv(x, shared)
+        shared = attn._publish_kv(x, shared, ent)
         if prefix is not None:
             shared = reuse_prefix(shared, *prefix, hit, spec.ratio)
     if spec.has_indexer:
-        shared = attn._select(x, q_latent, pos, shared)
+        shared = attn._select(x, q_latent, pos, shared, ent)[0]
     if spec.compressed:
         o = sparse_attention(q, window_kv, attn.attn_sink[...], cfg.window_size, shared.main_kv, shared.topk,
                              replay_start=floor)

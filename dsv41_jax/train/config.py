@@ -109,7 +109,7 @@ class TrainConfig:
     steps: int = 100
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
-    remat: str = "none"  # none | full | dots: jax.checkpoint policy of the loss function
+    remat: str = "none"  # none | block | dots: rematerialise each transformer block (dots: keep matmuls)
     posttrain: PosttrainConfig | None = None  # QAT + replay fine-tuning (dsv41_jax.posttrain); None: pre-training
 
     def replace(self, **changes) -> TrainConfig:
@@ -191,8 +191,8 @@ def validate(cfg: TrainConfig, source: str | None = None) -> None:
     for key in ("steps", "grad_accum"):
         if getattr(cfg, key) < 1:
             _fail(f"key '{key}' must be ≥ 1, got {getattr(cfg, key)}", source)
-    if cfg.remat not in ("none", "full", "dots"):
-        _fail(f"key 'remat' must be none, full or dots, got {cfg.remat!r}", source)
+    if cfg.remat not in ("none", "block", "dots"):
+        _fail(f"key 'remat' must be none, block or dots, got {cfg.remat!r}", source)
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1 or cfg.logging.every < 1:
         _fail("need checkpoint.every ≥ 0, checkpoint.keep ≥ 1 and logging.every ≥ 1", source)
     fixed = math.prod(getattr(cfg.mesh, a) for a in ("data", "fsdp") if getattr(cfg.mesh, a) != AUTO)

@@ -2,7 +2,10 @@
 
 Loss (per optimizer step, over all micro-batches): token-mean cross-entropy over positions whose next token
 is in the same document (the last token of every document and padding have no target), plus the V3-style
-sequence balance loss (spec model §5.3, weight ``optim.seq_balance_alpha``), computed per packed row.
+sequence balance loss (spec model §5.3, weight ``optim.seq_balance_alpha``), computed per packed row, plus
+(when ``optim.indexer_kl_weight`` > 0) the indexer KL averaged over index sources and non-padding tokens
+(:mod:`dsv41_jax.model.indexer_loss`; it trains only the indexer). The model sees the batch's documents:
+``segment_ids`` and ``positions`` mask attention per document (:mod:`dsv41_jax.model.documents`).
 The router biases move by the aux-loss-free rule after the update, text and image biases each on their own
 modality's load (spec model §5.3, §9.1); they are not optimizer parameters.
 """
@@ -19,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
+from dsv41_jax.model.indexer_loss import IndexerStats
 from dsv41_jax.model.moe import RouterBias, Routing, expert_parallel
 from dsv41_jax.model.transformer import Transformer
 from dsv41_jax.optim import OptimConfig, balance_loss, lr_at, optimizer, router_bias_update
@@ -62,20 +66,24 @@ def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.Grad
 
     With a ``mesh`` whose ``expert`` axis has several devices, MoE layers run expert-parallel
     (:func:`~dsv41_jax.model.moe.routed_experts_ep`).
-    """
 
-    def micro_loss(params, biases, mb, n_tok, n_micro):
+    ``remat`` (none | block | dots) rematerialises each transformer block in the backward pass.
+    """
+    target = ocfg.indexer_kl_over if ocfg.indexer_kl_weight > 0 else None
+
+    def micro_loss(params, biases, mb, n_tok, n_real, n_micro):
         model = nnx.merge(graphdef, params, biases, rest)
-        logits, aux = model(mb["tokens"], mb.get("engram_rows"), return_aux=True)  # [b, S, V]
+        logits, aux = model(mb["tokens"], mb.get("engram_rows"), segment_ids=mb["segment_ids"],
+                            positions=mb.get("positions"), return_aux=True, indexer_target=target,
+                            remat=remat)  # [b, S, V]
         targets, mask = targets_and_mask(mb["tokens"], mb["segment_ids"])
         ce_sum = jnp.sum(token_nll(logits, targets) * mask)
         bal = balance_loss(aux.routing, ocfg.seq_balance_alpha, mb["segment_ids"] > 0)
+        idx = indexer_sums(aux.indexer, mb["segment_ids"] > 0)
         # token-mean over the whole step, so accumulation gives the full-batch gradient exactly
-        return ce_sum / n_tok + bal / n_micro, (ce_sum, bal, tuple(r.experts for r in aux.routing))
+        loss = ce_sum / n_tok + bal / n_micro + ocfg.indexer_kl_weight * idx[0] / n_real
+        return loss, (ce_sum, bal, tuple(r.experts for r in aux.routing), idx)
 
-    if remat != "none":
-        policy = jax.checkpoint_policies.dots_saveable if remat == "dots" else None
-        micro_loss = jax.checkpoint(micro_loss, policy=policy)
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
@@ -86,13 +94,14 @@ def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.Grad
         n_micro = batch["tokens"].shape[0]
         mask = jax.vmap(targets_and_mask)(batch["tokens"], batch["segment_ids"])[1]
         n_tok = jnp.maximum(mask.sum(), 1).astype(jnp.float32)
+        n_real = jnp.maximum((batch["segment_ids"] > 0).sum(), 1).astype(jnp.float32)
 
         def accumulate(grads, mb):
-            (_, (ce_sum, bal, experts)), g = grad_fn(state.params, state.biases, mb, n_tok, n_micro)
-            return jax.tree.map(jnp.add, grads, g), (ce_sum, bal, experts)
+            (_, (ce_sum, bal, experts, idx)), g = grad_fn(state.params, state.biases, mb, n_tok, n_real, n_micro)
+            return jax.tree.map(jnp.add, grads, g), (ce_sum, bal, experts, idx)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, (ce_sums, bals, experts) = jax.lax.scan(accumulate, zeros, batch)
+        grads, (ce_sums, bals, experts, idx) = jax.lax.scan(accumulate, zeros, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # the bias rule needs only the selections; micro-batches merge into one batch axis
@@ -104,9 +113,27 @@ def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.Grad
         metrics = {"loss": ce + bal, "ce": ce, "balance": bal, "grad_norm": optax.tree.norm(grads),
                    "lr": lr_at(state.step, ocfg), "tokens": n_tok, "imbalance": _imbalance(experts, valid,
                                                                                             model_cfg)}
+        if target is not None:
+            kl = idx[0].sum() / n_real
+            metrics |= {"loss": metrics["loss"] + ocfg.indexer_kl_weight * kl, "indexer_kl": kl,
+                        "indexer_agreement": idx[1].sum() / jnp.maximum(idx[2].sum(), 1)}
         return TrainState(state.step + 1, params, biases, opt_state), metrics
 
     return step
+
+
+def indexer_sums(stats: tuple[IndexerStats, ...], real: Bool[Array, "B S"]):
+    """``(Σ KL / n_sources, Σ agreement, count)`` over non-padding queries of every index source.
+
+    A query that sees no compressed entry adds 0 to the KL sum and is left out of the agreement.
+    """
+    zero = jnp.zeros((), jnp.float32)
+    if not stats:
+        return zero, zero, zero
+    kl = sum(jnp.sum(jnp.where(real, s.kl, 0.0)) for s in stats) / len(stats)
+    agree = sum(jnp.sum(jnp.where(real & s.valid, s.agreement, 0.0)) for s in stats)
+    count = sum(jnp.sum(real & s.valid) for s in stats).astype(jnp.float32)
+    return kl, agree, count
 
 
 def _imbalance(experts, valid: Bool[Array, "N S"], model_cfg) -> Float[Array, ""]:

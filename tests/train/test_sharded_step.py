@@ -18,7 +18,9 @@ def test_sharded_step_equals_single_device(train_eight_devices):
     assert abs(l1 - l8) < 1e-5 * abs(l1), r
     assert abs(g1 - g8) < 1e-4 * abs(g1), r
     assert r["params_moved"] > 1e-4, r  # the step moved the weights ...
-    assert max(r["opt_rel"].values()) < 1e-2, r  # ... and the momenta hold the same gradients, up to the flip
+    # ... and the optimizer state holds the same gradients, up to the flip (second moments square the relative
+    # difference: a 0.5% gradient difference is 1% in nu)
+    assert max(r["opt_rel"].values()) < 3e-2, r
     for group, diff in r["params_diff"].items():
         if group.startswith("adamw"):
             # Adam's first update is lr·g/(|g| + ε) elementwise: for gradient entries near ε the relative

@@ -26,6 +26,7 @@ def test_pretrain_tiny_parses():
     assert cfg.model.dim == 64 and cfg.model.dtype == "float32"
     assert cfg.mesh.data == AUTO and cfg.data.source == "embedded" and cfg.data.tokenizer == "train"
     assert cfg.optim.seq_balance_alpha == 1e-4
+    assert cfg.optim.indexer_kl_weight > 0 and cfg.optim.indexer_kl_over == "dense"  # the indexer trains
 
 
 def test_overrides_reach_nested_keys():
@@ -48,7 +49,8 @@ def test_overrides_reach_nested_keys():
     ({"model": {"preset": "tiny"}, "data": {"prefetch": -1}}, r"data\.read_threads.*data\.prefetch"),
     ({"model": {"preset": "tiny"}, "distributed": {"num_processes": 2, "process_id": 2}}, r"distributed\.process_id"),
     ({"model": {"preset": "tiny"}, "distributed": {"coordinator": "h:1"}}, r"distributed\.coordinator"),
-    ({"model": {"preset": "tiny"}, "remat": "some"}, "remat"),
+    ({"model": {"preset": "tiny"}, "remat": "full"}, "remat.*none, block or dots"),
+    ({"model": {"preset": "tiny"}, "optim": {"indexer_kl_over": "all"}}, "indexer_kl_over"),
     ({"model": {"dim": 8}}, r"model\.preset"),
 ])
 def test_rejects_with_key_and_file(tmp_path, data, match):

@@ -183,6 +183,16 @@ def _cmd_train(args) -> int:
     from dsv41_jax.train.config import load
 
     cfg = load(args.config, args.overrides)
+    if args.preflight:  # shapes only: no device memory is used, any mesh size can be checked
+        import jax
+
+        from dsv41_jax.train.preflight import format_preflight, preflight
+
+        n = args.devices or jax.device_count()
+        shape = dict(zip(("data", "fsdp", "expert", "tensor"), cfg.mesh.shape(n, args.config), strict=True))
+        print(format_preflight(preflight(cfg.model, cfg.optim, shape, cfg.data.batch_size, cfg.data.seq_len,
+                                         cfg.remat, cfg.grad_accum)))
+        return 0
     distributed.initialize(cfg.distributed)  # before anything touches a device
     from dsv41_jax.train.loop import train
 
@@ -271,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="run config, e.g. configs/pretrain_tiny.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=1.0e-3")
     p.add_argument("--stop-after", type=int, help="stop after this many steps of this invocation (resumable)")
+    p.add_argument("--preflight", action="store_true", help="print the mesh, per-device memory and model FLOPs "
+                   "from shapes alone, then exit (nothing is allocated)")
+    p.add_argument("--devices", type=int, help="with --preflight: plan for this many devices (default: present)")
     p.set_defaults(fn=_cmd_train)
     p = sub.add_parser("eval-served", help="gap between the exact forward and the served path (FP4 cache, CED, "
                        "bounded replay) on held-out prompt/response jsonl")

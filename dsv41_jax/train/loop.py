@@ -22,6 +22,7 @@ from dsv41_jax.data.pipeline import DataState, packed_dataset
 from dsv41_jax.data.tokenizer import engram_consistent, load_or_train
 from dsv41_jax.train.checkpoint import RunCheckpointer
 from dsv41_jax.train.config import TrainConfig
+from dsv41_jax.train.preflight import check_fits, device_limit_gb, format_preflight, peak_flops, preflight
 from dsv41_jax.train.step import batch_sharding, build_mesh, init_state
 
 
@@ -37,6 +38,7 @@ class Run:
     checkpointer: RunCheckpointer
     model_cfg: object
     dataset: object  # the grain IterDataset behind ``data`` (a new iterator restarts it)
+    flops_per_token: float = 0.0  # model FLOPs (forward + backward), for MFU
 
     def next_batch(self, data: DataState | None = None) -> dict:
         """The next optimizer step's global batch [A, B, ...], assembled from every host's rows."""
@@ -81,6 +83,10 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
     log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
         f"{len(docs)} documents; tokenizer {tok_path} (engram.compressed_vocab_size "
         f"{model_cfg.engram.compressed_vocab_size})")
+    report = preflight(model_cfg, cfg.optim, dict(mesh.shape), d.batch_size, d.seq_len, cfg.remat, cfg.grad_accum)
+    limit = device_limit_gb()
+    log(format_preflight(report, limit))
+    check_fits(report, limit, source)  # before anything is allocated
     if cfg.posttrain is None:
         state, step_fn, _ = init_state(model_cfg, cfg.optim, mesh, cfg.seed, cfg.remat)
         ds = packed_dataset(docs, tok_path, model_cfg, token_map, seq_len=d.seq_len, batch_size=d.batch_size,
@@ -97,7 +103,7 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
         step, state, data_state = resumed
         data.restore(data_state)
         log(f"resumed from {ck.dir / str(step)} (step {step})")
-    return Run(cfg, mesh, state, step_fn, data, ck, model_cfg, ds)
+    return Run(cfg, mesh, state, step_fn, data, ck, model_cfg, ds, report.flops_per_token)
 
 
 def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None = None,
@@ -110,6 +116,7 @@ def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None
     start = int(run.state.step)
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.grad_accum
+    peak = peak_flops()  # dense bf16 peak of one device, where known (MFU)
     tick = time.perf_counter()
     if main:
         cfg.metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,6 +129,8 @@ def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None
                 done = step - (history[-1]["step"] if history else start)
                 m |= {"step": step, "step_s": (now - tick) / done,
                       "tokens_per_s": tokens_per_step * done / (now - tick)}
+                if peak:
+                    m["mfu"] = m["tokens_per_s"] * run.flops_per_token / (peak * jax.device_count())
                 tick = now
                 history.append(m)
                 if main:
@@ -129,7 +138,8 @@ def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None
                     sink.flush()
                     log(f"step {step:5d}  loss {m['loss']:.4f}  ce {m['ce']:.4f}  bal {m['balance']:.2e}  "
                         f"|g| {m['grad_norm']:.3f}  lr {m['lr']:.2e}  imb {m['imbalance']:.2f}  "
-                        f"{m['tokens_per_s']:.0f} tok/s  {m['step_s']:.2f} s/step")
+                        f"{m['tokens_per_s']:.0f} tok/s  {m['step_s']:.2f} s/step"
+                        + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else ""))
             if run.checkpointer.should_save(step, step == end):
                 run.checkpointer.save(step, run.state, run.data.state(), dataclasses.asdict(cfg))
     run.checkpointer.close()

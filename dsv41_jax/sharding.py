@@ -39,7 +39,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "mlp_down": ("embed", "mlp"),  # shared_experts.w2
     "hc_fn": (None, "embed"),
     "hc_vector": (None,),
-    "engram_table": ("engram_rows", None),
+    "engram_table": ("engram_rows", "engram_cols"),  # rows first; columns take the mesh axes rows leave
     "engram_proj": ("embed", None),  # engram.wkv: [(M+1)·D, C·H]
     "engram_qk": (None, "embed"),
 }
@@ -55,6 +55,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "experts": "expert",
     "expert_hidden": "tensor",
     "engram_rows": ("fsdp", "expert"),
+    "engram_cols": ("fsdp", "expert"),
 }
 
 
@@ -70,19 +71,23 @@ def logical_to_mesh(axes: tuple[str | None, ...], rules=None, shape: tuple[int, 
                     mesh: jax.sharding.Mesh | None = None) -> P:
     """The PartitionSpec of a parameter with logical ``axes``.
 
-    With ``shape`` and ``mesh``, a dimension keeps the longest leading run of its mesh axes whose total size
-    divides it and is replicated if none does (e.g. Engram tables have a prime-sum row count).
+    A mesh axis shards at most one dimension: a dimension gets the axes of its rule that earlier dimensions
+    left unused. With ``shape`` and ``mesh``, it keeps the longest leading run of those whose total size
+    divides it and is replicated if none does. So an Engram table, whose row count is a sum of primes, is
+    split by rows where the mesh divides them and by columns with the axes the rows could not use.
     """
     rules = LOGICAL_RULES if rules is None else rules
-    spec = []
+    spec, used = [], set()
     for i, name in enumerate(axes):
         target = rules.get(name) if name is not None else None
-        if target is None or shape is None or mesh is None:
-            spec.append(target)
+        if target is None:
+            spec.append(None)
             continue
-        run = (target,) if isinstance(target, str) else tuple(target)
-        while run and shape[i] % math.prod(mesh.shape[a] for a in run):
-            run = run[:-1]
+        run = tuple(a for a in ((target,) if isinstance(target, str) else target) if a not in used)
+        if shape is not None and mesh is not None:
+            while run and shape[i] % math.prod(mesh.shape[a] for a in run):
+                run = run[:-1]
+        used.update(run)
         spec.append(None if not run else run[0] if len(run) == 1 else run)
     return P(*spec)
 

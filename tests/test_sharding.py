@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -69,12 +70,33 @@ def test_logical_names_all_have_rules(tiny_state):
     assert declared <= set(LOGICAL_RULES)
 
 
+def _by_rules(axes) -> P:
+    """Each dimension gets its rule's mesh axes that earlier dimensions left (a mesh axis shards one dim)."""
+    out, used = [], set()
+    for a in axes:
+        rule = None if a is None else LOGICAL_RULES.get(a)
+        run = tuple(x for x in ((rule,) if isinstance(rule, str) else rule or ()) if x not in used)
+        used.update(run)
+        out.append(None if not run else run[0] if len(run) == 1 else run)
+    return P(*out)
+
+
 def test_specs_follow_rules(tiny_state, tiny_specs):
     assert set(tiny_specs) == set(tiny_state)
     for name, var in tiny_state.items():
-        expected = P(*(None if a is None else LOGICAL_RULES.get(a) for a in _axes(var)))
+        expected = _by_rules(_axes(var))
         assert tiny_specs[name] == expected, name
         assert logical_to_mesh(_axes(var)) == expected
+
+
+def test_release_engram_tables_shard_by_rows_or_columns():
+    """Row counts are sums of primes: layer 1's divides fsdp = 8 but not 64, layer 14's nothing. The columns
+    take the mesh axes the rows leave, so both tables split 64 ways instead of one replicating."""
+    mesh = jax.sharding.AbstractMesh((1, 8, 8, 1), MESH_AXES)
+    rows = C.v41_flash().engram.num_embeddings
+    axes = ("engram_rows", "engram_cols")
+    assert logical_to_mesh(axes, shape=(rows[0], 256), mesh=mesh) == P("fsdp", "expert")
+    assert logical_to_mesh(axes, shape=(rows[1], 256), mesh=mesh) == P(None, ("fsdp", "expert"))
 
 
 @pytest.mark.parametrize("name, spec", [

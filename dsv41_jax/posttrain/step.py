@@ -5,6 +5,13 @@ so resumed runs draw the same) and the row is computed as the engine serves it (
 config's ``attention.cache_quant`` switches decide which cache formats are fake-quantised (straight-through
 gradients). LM corpus rows (keys ``lm_*``) use the plain training forward and its packed-document loss.
 
+With ``optim.indexer_kl_weight`` > 0 the indexer KL (:mod:`dsv41_jax.model.indexer_loss`, target
+``optim.indexer_kl_over``) is added as in pre-training (``train.step``: averaged over index sources, per
+non-padding SFT token), but computed on the served path: the indexer's scores are the served ones (MXFP4 q/k
+when ``cache_quant.index``), the target is the main attention over the served window and cache, and only
+the rows the engine computes in each index source count. It is the indexer's only training signal (it is
+detached and its top-k passes no LM gradient), so this is what adapts it to its quantised q/k.
+
 MoE statistics (balance loss, aux-loss-free bias rule) count only the rows the engine computes in each layer:
 a row before its layer's window floor is a teacher-forcing by-product, not a served token.
 """
@@ -26,7 +33,7 @@ from dsv41_jax.optim.balance import expert_load, sequence_balance_loss
 from dsv41_jax.optim.labels import path_name
 from dsv41_jax.posttrain.config import PosttrainConfig
 from dsv41_jax.posttrain.replay import ServePlan, draw_hits, served_forward
-from dsv41_jax.train.step import TrainState, targets_and_mask, token_nll
+from dsv41_jax.train.step import TrainState, indexer_sums, targets_and_mask, token_nll
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -38,6 +45,7 @@ class MicroOut(NamedTuple):
     experts: tuple[Array, ...]  # per layer [R, S, K], SFT rows then LM rows
     live: tuple[Array, ...]  # per layer [R, S]: rows the served path computes
     hits: Array  # [b] the drawn boundaries
+    indexer: tuple[Array, Array, Array]  # indexer_sums over the live SFT rows (zeros without the KL)
 
 
 def ced_cut(model_cfg, pcfg: PosttrainConfig) -> int | None:
@@ -50,18 +58,26 @@ def ced_cut(model_cfg, pcfg: PosttrainConfig) -> int | None:
     return cut
 
 
-def _sft_part(model, mb: dict, key: Array, pcfg: PosttrainConfig, cut: int | None, alpha: float):
+def _sft_part(model, mb: dict, key: Array, pcfg: PosttrainConfig, cut: int | None, alpha: float,
+              indexer_target: str | None = None):
     r = pcfg.replay
     w = model.cfg.attention.window_size
     hits = draw_hits(key, mb["prompt_len"], w, r.granularity, r.prob)
-    logits, routing, floors = served_forward(model, mb["tokens"], mb.get("engram_rows"),
-                                             ServePlan(hits, mb["prompt_len"]), cut=cut)
+    out = served_forward(model, mb["tokens"], mb.get("engram_rows"), ServePlan(hits, mb["prompt_len"]), cut=cut,
+                         indexer_target=indexer_target)
+    logits, routing, floors = out[:3]
     targets = jnp.concatenate([mb["tokens"][:, 1:], jnp.zeros_like(mb["tokens"][:, :1])], axis=1)
     nll_sum = jnp.sum(token_nll(logits, targets) * mb["loss_mask"])
     pos = jnp.arange(mb["tokens"].shape[1])
     live = [(pos >= f[:, None]) & (mb["segment_ids"] > 0) for f in floors]
     bal = sum(sequence_balance_loss(rt.scores, rt.experts, alpha, lv) for rt, lv in zip(routing, live, strict=True))
-    return nll_sum, bal, routing, live, hits
+    idx = indexer_sums((), live[0])
+    if indexer_target is not None:  # each index source over the rows its layer computes
+        src = model.cfg.attention.index_source_layers
+        idx = tuple(sum(parts) for parts in zip(*(indexer_sums((st,), live[layer])
+                                                   for st, layer in zip(out[3], src, strict=True)), strict=True))
+        idx = (idx[0] / len(src), idx[1], idx[2])
+    return nll_sum, bal, routing, live, hits, idx
 
 
 def make_posttrain_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.GradientTransformation,
@@ -70,15 +86,17 @@ def make_posttrain_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.
     cut = ced_cut(model_cfg, pcfg)
     lm_w = pcfg.lm_weight
     alpha = ocfg.seq_balance_alpha
+    target = ocfg.indexer_kl_over if ocfg.indexer_kl_weight > 0 else None
 
-    def micro_loss(params, biases, mb, key, n_sft, n_lm, n_micro):
+    def micro_loss(params, biases, mb, key, n_sft, n_lm, n_real, n_micro):
         model = nnx.merge(graphdef, params, biases, rest)
         zero = jnp.zeros((), jnp.float32)
         sft_sum = lm_sum = bal = zero
         experts, live = [[] for _ in model.layers], [[] for _ in model.layers]
         hits = jnp.zeros((0,), jnp.int32)
+        idx = (zero, zero, zero)
         if "tokens" in mb:
-            sft_sum, bal, routing, sft_live, hits = _sft_part(model, mb, key, pcfg, cut, alpha)
+            sft_sum, bal, routing, sft_live, hits, idx = _sft_part(model, mb, key, pcfg, cut, alpha, target)
             for i, (rt, lv) in enumerate(zip(routing, sft_live, strict=True)):
                 experts[i].append(rt.experts), live[i].append(lv)
         if "lm_tokens" in mb:
@@ -90,8 +108,9 @@ def make_posttrain_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.
             for i, rt in enumerate(aux.routing):
                 experts[i].append(rt.experts), live[i].append(valid)
         loss = (1 - lm_w) * sft_sum / n_sft + lm_w * lm_sum / n_lm + bal / n_micro
+        loss = loss + ocfg.indexer_kl_weight * idx[0] / n_real
         cat = lambda xs: tuple(jnp.concatenate(x, axis=0) for x in xs)
-        return loss, MicroOut(sft_sum, lm_sum, bal, cat(experts), cat(live), hits)
+        return loss, MicroOut(sft_sum, lm_sum, bal, cat(experts), cat(live), hits, idx)
 
     if remat != "none":
         policy = jax.checkpoint_policies.dots_saveable if remat == "dots" else None
@@ -102,6 +121,9 @@ def make_posttrain_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.
         n_micro = next(iter(batch.values())).shape[0]
         n_sft = jnp.maximum(batch["loss_mask"].sum(), 1).astype(jnp.float32) if "loss_mask" in batch else 1.0
         n_lm = 1.0
+        n_real = 1.0  # non-padding SFT tokens: the indexer KL's denominator, as in pre-training
+        if "segment_ids" in batch:
+            n_real = jnp.maximum((batch["segment_ids"] > 0).sum(), 1).astype(jnp.float32)
         if "lm_tokens" in batch:
             n_lm = jnp.maximum(jax.vmap(targets_and_mask)(batch["lm_tokens"], batch["lm_segment_ids"])[1].sum(),
                                1).astype(jnp.float32)
@@ -110,7 +132,7 @@ def make_posttrain_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.
 
         def accumulate(grads, xs):
             mb, key = xs
-            (_, out), g = grad_fn(state.params, state.biases, mb, key, n_sft, n_lm, n_micro)
+            (_, out), g = grad_fn(state.params, state.biases, mb, key, n_sft, n_lm, n_real, n_micro)
             return jax.tree.map(jnp.add, grads, g), out
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -127,6 +149,10 @@ def make_posttrain_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.
                    "grad_norm": optax.tree.norm(grads), "lr": lr_at(state.step, ocfg), "tokens": n_sft,
                    "hit_frac": (out.hits > 0).mean() if out.hits.size else jnp.zeros(()),
                    "imbalance": imbalance(experts, live, model_cfg.moe.n_routed_experts)}
+        if target is not None:
+            kl = out.indexer[0].sum() / n_real
+            metrics |= {"loss": metrics["loss"] + ocfg.indexer_kl_weight * kl, "indexer_kl": kl,
+                        "indexer_agreement": out.indexer[1].sum() / jnp.maximum(out.indexer[2].sum(), 1)}
         return TrainState(state.step + 1, params, biases, opt_state), metrics
 
     return step

@@ -100,7 +100,8 @@ def make_posttrain_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.
             for i, (rt, lv) in enumerate(zip(routing, sft_live, strict=True)):
                 experts[i].append(rt.experts), live[i].append(lv)
         if "lm_tokens" in mb:
-            logits, aux = model(mb["lm_tokens"], mb.get("lm_engram_rows"), return_aux=True)
+            logits, aux = model(mb["lm_tokens"], mb.get("lm_engram_rows"), segment_ids=mb["lm_segment_ids"],
+                                positions=mb.get("lm_positions"), return_aux=True)  # packed: documents masked
             targets, mask = targets_and_mask(mb["lm_tokens"], mb["lm_segment_ids"])
             lm_sum = jnp.sum(token_nll(logits, targets) * mask)
             valid = mb["lm_segment_ids"] > 0

@@ -139,11 +139,17 @@ def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None
                     log(f"step {step:5d}  loss {m['loss']:.4f}  ce {m['ce']:.4f}  bal {m['balance']:.2e}  "
                         f"|g| {m['grad_norm']:.3f}  lr {m['lr']:.2e}  imb {m['imbalance']:.2f}  "
                         f"{m['tokens_per_s']:.0f} tok/s  {m['step_s']:.2f} s/step"
-                        + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else ""))
+                        + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else "")
+                        + f"  [{step}/{end}, eta {_duration(m['step_s'] * (end - step))}]")
             if run.checkpointer.should_save(step, step == end):
                 run.checkpointer.save(step, run.state, run.data.state(), dataclasses.asdict(cfg))
     run.checkpointer.close()
     return history
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def losses(history: list[dict]) -> np.ndarray:

@@ -88,7 +88,19 @@ def _need(module: str, source: str):
                           f"({err})") from err
 
 
-class ParquetDocuments(Sequence):
+class _LazyDocuments(Sequence):
+    """Random access by index (negative indices and slices too); subclasses read one document: ``_get``."""
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"document {i} of {len(self)}")
+        return self._get(i % len(self))
+
+
+class ParquetDocuments(_LazyDocuments):
     """The string column ``column`` of parquet ``files``, row by row, read lazily.
 
     Opening reads each file's footer only (row counts, schema). Row ``i`` is read through its row group; the
@@ -153,13 +165,7 @@ class ParquetDocuments(Sequence):
                 self._groups.popitem(last=False)
             return rows
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        i = int(i)
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"document {i} of {len(self)}")
-        i %= len(self)
+    def _get(self, i: int) -> str:
         g = bisect.bisect_right(self._starts, i) - 1
         return self._rows(g)[i - self._starts[g]] or ""
 
@@ -172,7 +178,7 @@ class _Part:  # array_record's FileInstruction: a whole file, its record count k
     examples_in_shard: int
 
 
-class ArrayRecordDocuments(Sequence):
+class ArrayRecordDocuments(_LazyDocuments):
     """Records of ArrayRecord ``files`` as documents: each record is one document's UTF-8 text (undecodable
     bytes become U+FFFD). Opening reads each file's record count; records are read one at a time on demand
     (grain's ``ArrayRecordDataSource``)."""
@@ -196,13 +202,8 @@ class ArrayRecordDocuments(Sequence):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        i = int(i)
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"document {i} of {len(self)}")
-        return self.source[i % len(self)].decode("utf-8", errors="replace")
+    def _get(self, i: int) -> str:
+        return self.source[i].decode("utf-8", errors="replace")
 
 
 def open_documents(source: str, paths: tuple[str, ...] = (), limit: int = 2000, *, jsonl_key: str = "text",

@@ -54,33 +54,10 @@ def random_batch(cfg, batch: int, seq: int, seed: int = 0) -> dict:
 
 
 def model_flops_per_token(cfg, seq: int) -> dict:
-    """Forward+backward FLOPs per token: matmuls of the active parameters, attention and indexer scans."""
-    from dsv41_jax.checkpoint.tree import flat_variables
-    from dsv41_jax.model.transformer import abstract_model
-    from dsv41_jax.topology import layer_spec
+    from dsv41_jax.train.preflight import model_flops_per_token as flops
 
-    a, m = cfg.attention, cfg.moe
-    matmul = 0.0
-    for name, v in flat_variables(abstract_model(cfg)).items():
-        if len(v.shape) < 2 or name.startswith("embed") or "engram.tables" in name or ".emb" in name:
-            continue
-        n = math.prod(v.shape)
-        matmul += n * (m.n_activated_experts / m.n_routed_experts if ".experts." in name else 1.0)
-    pos = np.arange(1, seq + 1)
-    attn = index = 0.0
-    for i in range(cfg.n_layers):
-        spec = layer_spec(cfg, i)
-        keys = np.minimum(pos, a.window_size).astype(np.float64)
-        if spec.ratio:
-            comps = pos // spec.ratio
-            keys = keys + np.minimum(comps, a.index_topk)
-            if spec.role in ("full", "reindex") and i in a.index_source_layers:
-                pool = a.candidate_topk_blocks * a.candidate_block_size
-                scanned = np.minimum(comps, pool) if spec.role == "reindex" else comps
-                index += 2 * a.index_n_heads * a.index_head_dim * scanned.mean()
-        attn += 4 * a.n_heads * a.head_dim * keys.mean()
-    return {"matmul": 6 * matmul, "attention": 3 * attn, "indexer": 3 * index,
-            "total": 6 * matmul + 3 * attn + 3 * index, "active_params": matmul}
+    total, active = flops(cfg, seq)
+    return {"total": total, "active_params": active}
 
 
 def device_state(model_cfg, ocfg, mesh, remat: str):

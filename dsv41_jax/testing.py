@@ -19,3 +19,21 @@ RELEASE = _DATA / "release"
 CPU_EXACT = pytest.mark.skipif(jax.default_backend() != "cpu", reason=(
     "bit-level and ~1e-6 comparisons are calibrated on XLA:CPU; XLA:GPU accumulates in another order and "
     "flips more QDQ-boundary values, so there the golden robust recipe of tests/test_gpu.py applies"))
+
+
+def run_on_fake_cpus(script, n_devices: int = 8, timeout: int = 900) -> list[dict]:
+    """Run ``script`` in a child Python with ``n_devices`` fake CPU devices; its JSON lines, parsed.
+
+    A child is needed because the test process has already initialised JAX with one device.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert rows, out.stdout[-2000:]
+    return rows

@@ -78,8 +78,9 @@ def build(cfg, mesh=None):
 
 
 def decode(graphdef, state, cfg, contexts, batches, mesh=None):
-    from dsv41_jax.engine.sampling import SERVE_BATCH, _named
+    from dsv41_jax.engine.sampling import SERVE_BATCH
     from dsv41_jax.model.moe import expert_parallel
+    from dsv41_jax.sharding import named_shardings
 
     rows_per = [n for n in cfg.engram.num_embeddings]
 
@@ -92,7 +93,7 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None):
             cache = C.init_cache(cfg, b, ctx + 128)
             cache = cache._replace(lengths=jnp.full((b,), ctx, jnp.int32))  # cost depends on shapes, not values
             if mesh is not None:
-                cache = jax.device_put(cache, _named(mesh, C.cache_partition_specs(cache, mesh,
+                cache = jax.device_put(cache, named_shardings(mesh, C.cache_partition_specs(cache, mesh,
                                                                                    batch_axis=SERVE_BATCH)))
             tokens = jnp.ones((b, 1), jnp.int32)
             rows = jnp.stack([jnp.full((b, 1, cfg.engram.n_columns), r // 2, jnp.int32) for r in rows_per], 2)

@@ -100,5 +100,10 @@ def state_partition_specs(state: nnx.State, rules=None, mesh: jax.sharding.Mesh 
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def named_shardings(mesh: jax.sharding.Mesh, specs):
+    """A tree of PartitionSpecs as NamedShardings on ``mesh`` (for ``device_put`` / ``jit`` shardings)."""
+    return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
 def dtype_of(name: str) -> jnp.dtype:
     return jnp.dtype(name)

@@ -23,6 +23,7 @@ from dsv41_jax.engine.step import ChunkOptions, forward_chunk
 from dsv41_jax.engram_device import DeviceEngram, device_history_init, device_row_ids
 from dsv41_jax.model.moe import expert_parallel
 from dsv41_jax.model.transformer import Transformer
+from dsv41_jax.sharding import named_shardings, state_partition_specs
 
 SERVE_BATCH = ("data", "expert")  # mesh axes the sequences of a batch are split over when serving
 
@@ -77,9 +78,7 @@ class Generator:
         self.max_seq_len, self.sampling, self.mesh = max_seq_len, sampling, mesh
         graphdef, state = nnx.split(model)
         if mesh is not None:
-            from dsv41_jax.sharding import state_partition_specs
-
-            state = jax.device_put(state, _named(mesh, state_partition_specs(state, mesh=mesh)))
+            state = jax.device_put(state, named_shardings(mesh, state_partition_specs(state, mesh=mesh)))
         self.state = state
         # (options of non-final chunks, options of the final chunk)
         self._chunk_options = (ChunkOptions(), ChunkOptions())
@@ -138,7 +137,7 @@ class Generator:
         n_chunks = -(-int(lengths.max()) // chunk)
         cache = C.init_cache(self.cfg, self.batch, self.max_seq_len)
         if self.mesh is not None:
-            cache = jax.device_put(cache, _named(self.mesh, C.cache_partition_specs(cache, self.mesh,
+            cache = jax.device_put(cache, named_shardings(self.mesh, C.cache_partition_specs(cache, self.mesh,
                                                                                       batch_axis=SERVE_BATCH)))
         history, n_seen = device_history_init(self.tables, self.batch)
         logits = None
@@ -172,12 +171,6 @@ class Generator:
             for i, row in enumerate(block):
                 outs[i].extend(int(t) for t in row if t >= 0)
         return outs
-
-
-def _named(mesh, specs):
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    return jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def _advance_history(tables: DeviceEngram, history: Array, n_seen: Array, tokens: Array, n_new: Array):

@@ -12,6 +12,7 @@ modality's load (spec model §5.3, §9.1); they are not optimizer parameters.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +27,7 @@ from dsv41_jax.model.indexer_loss import IndexerStats
 from dsv41_jax.model.moe import RouterBias, Routing, expert_parallel
 from dsv41_jax.model.transformer import Transformer
 from dsv41_jax.optim import OptimConfig, balance_loss, lr_at, optimizer, router_bias_update
-from dsv41_jax.sharding import state_partition_specs
+from dsv41_jax.sharding import named_shardings, state_partition_specs
 
 BATCH = ("data", "fsdp", "expert")  # mesh axes the batch is split over (experts see the tokens of their group)
 
@@ -163,7 +164,7 @@ def state_shardings(model: Transformer, tx, mesh) -> tuple[TrainState, Any]:
     from dsv41_jax.optim import opt_state_partition_specs
 
     graphdef, params, biases, rest = split_model(model)
-    named = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t, is_leaf=lambda x: isinstance(x, P))
+    named = functools.partial(named_shardings, mesh)
     p_specs = state_partition_specs(params, mesh=mesh)
     o_specs = opt_state_partition_specs(tx, params, p_specs)
     return TrainState(NamedSharding(mesh, P()), named(p_specs), named(state_partition_specs(biases, mesh=mesh)),

@@ -1,6 +1,7 @@
 """Decode and prefill timings of the inference engine on a config with the release's layer structure.
 
-Prints one JSON line per measurement. Usage: python benchmarks/engine_bench.py decode|prefill|parts|cost ...
+Prints one JSON line per measurement.
+Usage: python benchmarks/engine_bench.py decode|prefill|decode+prefill|parts|cost ...
 [--mesh DxFxExT] (decode: weights placed by the sharding table, sequences over data×expert, MoE expert-parallel).
 Sizes: the release's attention and indexer geometry (64 heads × 512, index 32 × 128, top-k 512, window 128,
 2048 candidate blocks of 8) and all 40 layers with their roles; a narrower residual (dim 2048) and fewer,
@@ -97,20 +98,25 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None):
                                                                                    batch_axis=SERVE_BATCH)))
             tokens = jnp.ones((b, 1), jnp.int32)
             rows = jnp.stack([jnp.full((b, 1, cfg.engram.n_columns), r // 2, jnp.int32) for r in rows_per], 2)
-            step = jax.jit(one_step)
             t0 = time.perf_counter()
-            jax.block_until_ready(step(state, cache, tokens, rows))
+            step = jax.jit(one_step).lower(state, cache, tokens, rows).compile()
             compile_s = time.perf_counter() - t0
+            analysis = step.cost_analysis()
+            analysis = analysis if isinstance(analysis, dict) else analysis[0]
             sec, _ = timeit(step, state, cache, tokens, rows)
             cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+            weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+            # XLA's count of bytes the step's kernels read and write (weights, caches, intermediates)
+            accessed = analysis.get("bytes accessed", float("nan"))
             print(json.dumps({"bench": "decode_step", "mesh": None if mesh is None else dict(mesh.shape),
                               "batch": b, "context": ctx, "ms": sec * 1e3,
-                              "tokens_per_s": b / sec, "compile_s": compile_s, "cache_GB": cache_bytes / 1e9}),
-                  flush=True)
+                              "tokens_per_s": b / sec, "compile_s": compile_s, "cache_GB": cache_bytes / 1e9,
+                              "weights_GB": weight_bytes / 1e9, "bytes_accessed_GB": accessed / 1e9,
+                              "achieved_GB_per_s": accessed / sec / 1e9}), flush=True)
             del cache
 
 
-def prefill(graphdef, state, cfg, lengths, chunk=2048):
+def prefill(graphdef, state, cfg, lengths, chunk=2048, reps=3):
     cut = cfg.attention.candidate_source_layer + 1
     for n in lengths:
         for mode in ("exact", "ced"):
@@ -128,7 +134,7 @@ def prefill(graphdef, state, cfg, lengths, chunk=2048):
                     r = jnp.zeros((1, chunk, len(cfg.engram.layer_ids), cfg.engram.n_columns), jnp.int32)
                     logits, cache = fns[opts](state, cache, t, r, jnp.array([chunk], jnp.int32))
                 return logits
-            sec, _ = timeit(run, reps=3)
+            sec, _ = timeit(run, reps=reps)
             print(json.dumps({"bench": "prefill", "mode": mode, "tokens": n, "s": sec, "chunk": chunk}), flush=True)
 
 
@@ -217,5 +223,10 @@ if __name__ == "__main__":
     if what == "decode":
         decode(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")],
                mesh)
+    elif what == "decode+prefill":  # one weight build for both (decode CONTEXTS BATCHES, prefill LENGTHS REPS)
+        decode(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")],
+               mesh)
+        prefill(graphdef, state, cfg, [int(x) for x in sys.argv[4].split(",")], reps=int(sys.argv[5]))
     elif what == "prefill":
-        prefill(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")])
+        prefill(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")],
+                reps=int(sys.argv[3]) if len(sys.argv) > 3 else 3)

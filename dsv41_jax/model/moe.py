@@ -76,6 +76,13 @@ class StackedLinear(nnx.Module):
             return quant.dequant_fp4_rows(self.weight[...], self.scale[...]).astype(dtype)
         return self.weight[...].astype(dtype)
 
+    def take(self, ids: Int[Array, "*N"], dtype) -> Float[Array, "*N O I"]:
+        """The experts ``ids`` only, gathered before dequantising: reads ``len(ids)`` experts, not all."""
+        if self.native:
+            return quant.dequant_fp4_rows(jnp.take(self.weight[...], ids, 0), jnp.take(self.scale[...], ids, 0)
+                                          ).astype(dtype)
+        return jnp.take(self.weight[...], ids, 0).astype(dtype)
+
 
 class Experts(nnx.Module):
     def __init__(self, n: int, dim: int, inter: int, *, param_dtype, rngs: nnx.Rngs, native: bool = False):
@@ -104,10 +111,30 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 
 def routed_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: Float[Array, "T K"],
                    module: Experts, limit: float) -> Float[Array, "T D"]:
-    """Σ_k weight_k · Expert_{e_k}(x) in fp32, by sorting token copies by expert and a grouped matmul."""
+    """Σ_k weight_k · Expert_{e_k}(x) in fp32, by sorting token copies by expert and a grouped matmul.
+
+    With fewer token copies than experts (a decode step: T·K = 6 per sequence against 384 experts) the
+    selected experts' weights are gathered instead, so the step reads T·K expert matrices rather than all
+    of them; the grouped matmul would stream every expert's weights (and dequantise every MXFP4 expert)
+    to compute a handful of rows. Both paths accumulate in fp32.
+    """
     dt = x.dtype
+    if experts.size < module.w1.weight.shape[0]:
+        return _gathered_experts(x, experts, weights, module, limit)
     w1, w2, w3 = (m.dense(dt) for m in (module.w1, module.w2, module.w3))
     return _local_experts(x, experts, weights, w1, w2, w3, limit, first=0)
+
+
+def _gathered_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: Float[Array, "T K"],
+                      module: Experts, limit: float) -> Float[Array, "T D"]:
+    """Per token copy, its expert's three matrices gathered by id: [T, K, I, D] then two batched matvecs."""
+    dt = x.dtype
+    w1, w2, w3 = (m.take(experts, dt) for m in (module.w1, module.w2, module.w3))
+    f32 = jnp.float32
+    gate = jnp.einsum("td,tkid->tki", x, w1, preferred_element_type=f32)
+    up = jnp.einsum("td,tkid->tki", x, w3, preferred_element_type=f32)
+    act = clamped_swiglu(gate, up, limit) * weights[..., None]  # routing weight before w2 (spec model §5.2)
+    return jnp.einsum("tki,tkdi->td", act.astype(dt), w2, preferred_element_type=f32)
 
 
 def _local_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: Float[Array, "T K"],

@@ -189,3 +189,34 @@ def test_moe_equals_routed_plus_shared(tiny_cfg, rng):
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # the shared expert's clamp binds too on this input
     assert np.abs(flat.astype(np.float64) @ to_np(sh.w3.weight).T).max() > limit
+
+
+def test_few_token_copies_gather_their_experts_and_match_the_loop(tiny_cfg, rng):
+    """T·K < E (a decode step) takes the gathered-weights path; same math as the per-token loop."""
+    moe = make_moe(tiny_cfg, seed=5)
+    t, k = 3, 2  # 6 copies < 8 experts
+    x = rng.normal(0, 8.0, (t, DIM)).astype(np.float32)
+    experts = np.array([[0, 5], [5, 3], [7, 0]])  # a repeated expert across tokens
+    weights = rng.uniform(0.1, 1.4, (t, k)).astype(np.float32)
+    w1, w3, w2 = (to_np(m.weight) for m in (moe.experts.w1, moe.experts.w3, moe.experts.w2))
+    limit = tiny_cfg.moe.swiglu_limit
+    fun = nnx.jit(lambda m, x, e, w: routed_experts(x, e, w, m, limit))
+    got = np.asarray(fun(moe.experts, jnp.asarray(x), jnp.asarray(experts, jnp.int32), jnp.asarray(weights)))
+    want = routed_oracle(x, experts, weights.astype(np.float64), w1, w3, w2, limit)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_gathered_native_experts_equal_the_grouped_matmul(tiny_cfg, rng):
+    """MXFP4 experts: gathering then dequantising the selected ones equals dequantising all of them."""
+    from dsv41_jax.model.moe import Experts, _gathered_experts, _local_experts
+
+    ex = Experts(8, DIM, 32, param_dtype=jnp.float32, rngs=nnx.Rngs(2), native=True)
+    x = jnp.asarray(rng.normal(0, 4.0, (2, DIM)), jnp.float32)
+    experts = jnp.asarray([[6, 1], [1, 2]], jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.4, (2, 2)), jnp.float32)
+    limit = tiny_cfg.moe.swiglu_limit
+    got = nnx.jit(lambda m: _gathered_experts(x, experts, weights, m, limit))(ex)
+    dense = [m.dense(jnp.float32) for m in (ex.w1, ex.w2, ex.w3)]
+    want = _local_experts(x, experts, weights, *dense, limit, first=0)
+    assert np.abs(np.asarray(want)).max() > 0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6 * np.abs(want).max())

@@ -162,6 +162,18 @@ def test_gpu_kernels_lower_to_triton(fmt):
     assert "triton" in text and "output_operand_alias" in text  # the caches are updated in place
 
 
+def test_tpu_kernels_lower_to_mosaic():
+    """Pallas -> Mosaic TPU lowering (block shapes, scalar prefetch, DMAs) without a TPU; untested on hardware."""
+    sds = jax.ShapeDtypeStruct
+    for fmt in ("nvfp4", "mxfp4"):
+        g, sd = 512 // BLOCK[fmt], SCALE_DTYPE[fmt]
+        for fn, args in ((tpu.unpack, (sds((300, 256), jnp.uint8), sds((300, g), sd))),
+                         (tpu.write, (sds((2, 64, 256), jnp.uint8), sds((2, 64, g), sd), sds((2, 9, 512), jnp.bfloat16),
+                                      sds((2, 9), jnp.int32)))):
+            text = jax.jit(functools.partial(fn, fmt=fmt)).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+            assert "tpu_custom_call" in text
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128)])
 def test_gpu_unpack_on_device(fmt, n):

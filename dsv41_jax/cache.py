@@ -18,6 +18,8 @@ from jaxtyping import Array, Int
 from dsv41_jax import quant
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.topology import topology
+from pallas_kernels import fp4_pack
+from pallas_kernels.fp4_pack import reference as fp4_reference
 
 
 class SourceCache(NamedTuple):
@@ -74,7 +76,7 @@ def source_index(cfg: ModelConfig, layer: int) -> int:
 
 def write_rows(buf: Array, rows: Array, index: Int[Array, "B S"]) -> Array:
     """buf [B, T, ...] with rows [B, S, ...] written at ``index`` (out-of-range index = not written)."""
-    return jax.vmap(lambda b, r, i: b.at[i].set(r, mode="drop"))(buf, rows, index)
+    return fp4_reference.write_rows(buf, rows, index)
 
 
 def gather_rows(buf: Array, index: Int[Array, "B S K"]) -> Array:
@@ -82,25 +84,32 @@ def gather_rows(buf: Array, index: Int[Array, "B S K"]) -> Array:
     return jax.vmap(lambda b, i: b[jnp.maximum(i, 0)])(buf, index)
 
 
-def write_source(src: SourceCache, main_kv: Array, index_k: Array, index: Int[Array, "B S"]) -> SourceCache:
-    kc, ks = quant.pack_nvfp4(main_kv)
-    ic, ie = quant.pack_mxfp4(index_k)
-    return src._replace(kv_codes=write_rows(src.kv_codes, kc, index), kv_scales=write_rows(src.kv_scales, ks, index),
-                        ik_codes=write_rows(src.ik_codes, ic, index), ik_exps=write_rows(src.ik_exps, ie, index))
+# ``backend`` is the model's ``attention.kernel_backend``: the fp4_pack kernels are bit-exact to quant's
+# pack/unpack, so the cache holds the same bytes and the model reads the same values either way.
 
 
-def read_main_kv(src: SourceCache, index: Int[Array, "B S K"], dtype) -> Array:
+def write_source(src: SourceCache, main_kv: Array, index_k: Array, index: Int[Array, "B S"], *,
+                 backend: str = "xla") -> SourceCache:
+    """Pack new main-KV and index-key rows [B, S, ...] into entry ``index`` (out of range = not written)."""
+    kc, ks = fp4_pack.write_nvfp4(src.kv_codes, src.kv_scales, main_kv, index, backend=backend)
+    ic, ie = fp4_pack.write_mxfp4(src.ik_codes, src.ik_exps, index_k, index, backend=backend)
+    return src._replace(kv_codes=kc, kv_scales=ks, ik_codes=ic, ik_exps=ie)
+
+
+def read_main_kv(src: SourceCache, index: Int[Array, "B S K"], dtype, *, backend: str = "xla") -> Array:
     """Dequantised main-KV entries [B, S, K, H] at ``index`` (only the picked rows are unpacked)."""
-    return quant.unpack_nvfp4(gather_rows(src.kv_codes, index), gather_rows(src.kv_scales, index), dtype)
+    return fp4_pack.unpack_nvfp4(gather_rows(src.kv_codes, index), gather_rows(src.kv_scales, index), dtype,
+                                 backend=backend)
 
 
-def read_index_keys(src: SourceCache, dtype) -> Array:
+def read_index_keys(src: SourceCache, dtype, *, backend: str = "xla") -> Array:
     """All index keys [B, T, I] (the candidate source scans the whole visible range)."""
-    return quant.unpack_mxfp4(src.ik_codes, src.ik_exps, dtype)
+    return fp4_pack.unpack_mxfp4(src.ik_codes, src.ik_exps, dtype, backend=backend)
 
 
-def read_index_keys_at(src: SourceCache, index: Int[Array, "B S K"], dtype) -> Array:
-    return quant.unpack_mxfp4(gather_rows(src.ik_codes, index), gather_rows(src.ik_exps, index), dtype)
+def read_index_keys_at(src: SourceCache, index: Int[Array, "B S K"], dtype, *, backend: str = "xla") -> Array:
+    return fp4_pack.unpack_mxfp4(gather_rows(src.ik_codes, index), gather_rows(src.ik_exps, index), dtype,
+                                 backend=backend)
 
 
 def write_ring(ring: RingCache, kv: Array, pos: Int[Array, "B S"], write: Array) -> RingCache:

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+KERNEL_BACKENDS = ("xla", "pallas")  # = pallas_kernels.*.api.BACKENDS
+
 
 class ConfigError(ValueError):
     """A configuration value is unknown, mistyped or inconsistent; the message names key and file."""
@@ -62,6 +64,11 @@ class AttentionConfig:
     beta_slow: float = 1.0
     original_seq_len: int = 65536
     cache_quant: CacheQuant = field(default_factory=CacheQuant)
+    # which implementation runs the cache-format and candidate-selection passes (ARCHITECTURE decision 10):
+    # "xla" (the jnp reference) or "pallas" (pallas_kernels: Triton on GPU, Mosaic on TPU, interpreted on
+    # CPU). The kernels are bit-exact, so this changes speed, never numbers. A runtime choice, not part of
+    # the HF config.json.
+    kernel_backend: str = "xla"
 
     @property
     def candidate_pool_min(self) -> int:
@@ -182,6 +189,9 @@ def validate(cfg: ModelConfig, source: str | None = None) -> None:
               source)
     if cfg.weight_format not in ("float", "native"):
         _fail(f"weight_format must be 'float' or 'native', got {cfg.weight_format!r}", source)
+    if a.kernel_backend not in KERNEL_BACKENDS:
+        _fail(f"attention.kernel_backend must be one of {', '.join(map(repr, KERNEL_BACKENDS))}, got "
+              f"{a.kernel_backend!r}", source)
     if len(a.compress_ratios) != total:
         _fail(f"attention.compress_ratios has {len(a.compress_ratios)} entries; expected n_layers + "
               f"dspark.n_layers = {total}", source)

@@ -25,6 +25,18 @@ def median_us(fn, *args, iters: int = 20, warmup: int = 3) -> float:
     return float(np.median(times) * 1e6)
 
 
+def median_us_carry(fn, carry, *args, iters: int = 20, warmup: int = 3) -> float:
+    """Like :func:`median_us` for ``carry = fn(carry, *args)`` with ``carry`` donated (an in-place update:
+    each call consumes the previous call's output)."""
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(fn(carry, *args))
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e6)
+
+
 def emit(kernel: str, impl: str, shape, us: float, bytes_moved: int, ops: int, **extra) -> None:
     floor_bytes_us = bytes_moved / COPY_BYTES_PER_S * 1e6
     floor_ops_us = ops / VECTOR_OPS_PER_S * 1e6

@@ -354,9 +354,20 @@ def test_impossible_topology_in_python_construction(attention, key):
     ("moe: {n_activated_experts: 9}\n", "n_activated_experts"),
     ("moe: {score_func: softmax}\n", "moe.score_func"),
     ("dtype: float16\n", "dtype"),
+    ("attention: {kernel_backend: triton}\n", "attention.kernel_backend"),
+    ("attention: {kernel_backend: 1}\n", "attention.kernel_backend"),
 ])
 def test_other_inconsistent_values_rejected(tmp_path, text, key):
     _raises_naming(_write(tmp_path, "preset: tiny\n" + text), key)
+
+
+def test_kernel_backend_is_a_runtime_key(tmp_path):
+    """``attention.kernel_backend`` loads from YAML and stays out of the HF config.json (not architecture)."""
+    cfg = C.load_yaml(_write(tmp_path, "preset: tiny\nattention: {kernel_backend: pallas}\n"))
+    assert cfg.attention.kernel_backend == "pallas" and C.tiny().attention.kernel_backend == "xla"
+    assert C.to_hf_json(cfg) == C.to_hf_json(C.tiny())
+    assert "kernel_backend" not in C.to_hf_json(cfg)
+    assert C.from_hf(json.loads(C.to_hf_json(cfg))).attention.kernel_backend == "xla"
 
 
 def test_configs_are_frozen():

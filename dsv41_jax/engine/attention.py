@@ -49,7 +49,7 @@ def attention_step(attn: Attention, x: jax.Array, ring: C.RingCache, sources: tu
         if spec.has_indexer:
             shared = _select(attn, sources[si], x, q_latent, ctx, shared)
         topk = shared.topk
-        picked = C.read_main_kv(sources[si], topk, q.dtype)
+        picked = C.read_main_kv(sources[si], topk, q.dtype, backend=cfg.kernel_backend)
     o = sparse_attention(q, window_kv, attn.attn_sink[...], cfg.window_size, topk=topk, picked=picked,
                          replay_start=ctx.replay_start, start=ctx.pos[:, 0], prefix_kv=C.read_ring(ring, q.dtype),
                          prefix_pos=ctx.ring_pos)
@@ -80,7 +80,8 @@ def _compress(attn: Attention, src: C.SourceCache, x: jax.Array, ctx: StepContex
     main_kv = apply_rope(latent, cpos, attn.freqs, heads=False)
     # bounded replay never rewrites global KV; a group that ends at or after the floor is still written
     write = closes & (ctx.pos >= ctx.write_floor[:, None])
-    return C.write_source(src, main_kv, index_k, jnp.where(write, entry, src.kv_codes.shape[1]))
+    return C.write_source(src, main_kv, index_k, jnp.where(write, entry, src.kv_codes.shape[1]),
+                          backend=attn.cfg.kernel_backend)
 
 
 def _select(attn: Attention, src: C.SourceCache, x: jax.Array, q_latent: jax.Array, ctx: StepContext,
@@ -90,12 +91,12 @@ def _select(attn: Attention, src: C.SourceCache, x: jax.Array, q_latent: jax.Arr
     iq, w = attn.indexer.queries(x, q_latent, ctx.pos, attn.freqs)
     if spec.uses_candidates:
         return shared._replace(topk=_select_in_candidates(attn, src, iq, w, n_visible, shared.candidates))
-    keys = C.read_index_keys(src, iq.dtype)  # the full visible range
+    keys = C.read_index_keys(src, iq.dtype, backend=cfg.kernel_backend)  # the full visible range
     scores = index_scores(iq, w, keys)
     scores = jnp.where(jnp.arange(keys.shape[1]) < n_visible[..., None], scores, -jnp.inf)
     if spec.candidate_source:
         shared = shared._replace(candidates=candidate_block_ids(
-            scores, n_visible, cfg.candidate_block_size, cfg.candidate_topk_blocks))
+            scores, n_visible, cfg.candidate_block_size, cfg.candidate_topk_blocks, backend=cfg.kernel_backend))
     return shared._replace(topk=select_topk(scores, cfg.index_topk, n_visible))
 
 
@@ -109,7 +110,7 @@ def _select_in_candidates(attn: Attention, src: C.SourceCache, iq, w, n_visible,
     bs = cfg.candidate_block_size
     idx = (blocks[..., None] * bs + jnp.arange(bs)).reshape(*blocks.shape[:2], -1)  # [B, S, NB·bs]
     ok = jnp.repeat(blocks >= 0, bs, axis=-1) & (idx < n_visible[..., None])
-    keys = C.read_index_keys_at(src, jnp.where(ok, idx, 0), iq.dtype)
+    keys = C.read_index_keys_at(src, jnp.where(ok, idx, 0), iq.dtype, backend=cfg.kernel_backend)
     scores = jnp.where(ok, gathered_index_scores(iq, w, keys), -jnp.inf)
     _, j = jax.lax.top_k(scores, min(cfg.index_topk, scores.shape[-1]))
     sel = jnp.take_along_axis(jnp.where(ok, idx, -1), j, axis=-1)

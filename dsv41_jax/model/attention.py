@@ -132,7 +132,8 @@ class Attention(nnx.Module):
         if spec.candidate_source:
             own = scores if ent.lo is None else to_document(scores, ent.lo, -jnp.inf)
             n_own = ent.hi if ent.lo is None else ent.hi - ent.lo
-            blocks = candidate_blocks(own, n_own, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+            blocks = candidate_blocks(own, n_own, cfg.candidate_block_size, cfg.candidate_topk_blocks,
+                                      backend=cfg.kernel_backend)
             shared = shared._replace(candidates=blocks)
         if spec.uses_candidates:
             allowed = expand_blocks(shared.candidates, cfg.candidate_block_size, t)

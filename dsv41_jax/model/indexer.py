@@ -11,6 +11,7 @@ from dsv41_jax import quant
 from dsv41_jax.config import AttentionConfig
 from dsv41_jax.model.layers import Linear, RMSNorm
 from dsv41_jax.model.rope import apply_rope
+from pallas_kernels.block_max import api as block_max_api
 
 
 class Indexer(nnx.Module):
@@ -74,22 +75,14 @@ def gathered_index_scores(iq: Float[Array, "B S N I"], w: Float[Array, "B S N"],
 
 
 def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
-                        n_blocks: int) -> Int[Array, "B S K"]:
+                        n_blocks: int, *, backend: str = "xla") -> Int[Array, "B S K"]:
     """Per query, the kept blocks of ``block_size`` positions, ascending, −1 padded (spec attention §6.1).
 
     Block score = max over its positions; the block holding the newest visible entry is pinned (+∞);
-    the top ``n_blocks`` blocks whose score is > −∞ are kept. Ties go to the lower block index.
+    the top ``n_blocks`` blocks whose score is > −∞ are kept. Ties go to the lower block index. The pass
+    over the scores is the ``block_max`` kernel for ``backend="pallas"`` (``attention.kernel_backend``).
     """
-    b, s, t = scores.shape
-    nb = -(-t // block_size)
-    padded = jnp.pad(scores, ((0, 0), (0, 0), (0, nb * block_size - t)), constant_values=-jnp.inf)
-    block_max = padded.reshape(b, s, nb, block_size).max(-1)
-    newest = (n_visible - 1) // block_size
-    pinned = (jnp.arange(nb) == newest[..., None]) & (n_visible[..., None] > 0)
-    block_max = jnp.where(pinned, jnp.inf, block_max)
-    vals, idx = jax.lax.top_k(block_max, min(n_blocks, nb))
-    ids = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)  # dropped blocks sort last
-    return jnp.where(ids < nb, ids, -1).astype(jnp.int32)
+    return block_max_api.candidate_block_ids(scores, n_visible, block_size, n_blocks, backend=backend)
 
 
 def block_mask(ids: Int[Array, "B S K"], n_blocks_total: int) -> Bool[Array, "B S NB"]:
@@ -100,9 +93,9 @@ def block_mask(ids: Int[Array, "B S K"], n_blocks_total: int) -> Bool[Array, "B 
 
 
 def candidate_blocks(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
-                     n_blocks: int) -> Bool[Array, "B S NB"]:
+                     n_blocks: int, *, backend: str = "xla") -> Bool[Array, "B S NB"]:
     """:func:`candidate_block_ids` as a per-block mask over all ``ceil(T / block_size)`` blocks."""
-    ids = candidate_block_ids(scores, n_visible, block_size, n_blocks)
+    ids = candidate_block_ids(scores, n_visible, block_size, n_blocks, backend=backend)
     return block_mask(ids, -(-scores.shape[-1] // block_size))
 
 

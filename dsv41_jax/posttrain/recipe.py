@@ -30,7 +30,8 @@ from dsv41_jax.train.checkpoint import RunCheckpointer
 from dsv41_jax.train.step import TrainState, batch_sharding, split_model, state_shardings
 
 # model keys a fine-tuning run may change without changing the parameters' shapes
-_FREE = {"dtype", "param_dtype", "weight_format", "attention.cache_quant", "engram.compressed_vocab_size"}
+_FREE = {"dtype", "param_dtype", "weight_format", "attention.cache_quant", "attention.kernel_backend",
+         "engram.compressed_vocab_size"}
 
 
 def is_run_dir(path: str | Path) -> bool:

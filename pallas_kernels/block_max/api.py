@@ -1,5 +1,6 @@
 """block_max: per-block maxima of the causally masked indexer scores with the newest block pinned, and
-the candidate block ids built from them (spec attention §6.1), equal to ``indexer.candidate_block_ids``.
+the candidate block ids built from them (spec attention §6.1): ``indexer.candidate_block_ids`` is this
+function with the model's ``kernel_backend``.
 
 The pass over the scores [B, S, T] is the kernel; ``lax.top_k`` over the [B, S, T / block_size] maxima
 stays in XLA (no Pallas lowering of top_k on GPU). ``backend="xla"`` is the reference;
@@ -33,7 +34,12 @@ def block_max(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block
 
 def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
                         n_blocks: int, *, backend: str = "xla") -> Int[Array, "B S K"]:
-    """Kept blocks per query, ascending, −1 padded: exactly ``indexer.candidate_block_ids``."""
+    """Per query, the top ``n_blocks`` blocks by block max (newest visible block pinned), dropping blocks
+    with no visible score; ascending, −1 padded. Ties go to the lower block index (``lax.top_k``, spec §6.3).
+    """
+    # the ids are discrete: no gradient flows back, and pallas_call need not be differentiated when the
+    # scores carry one (the indexer's own loss differentiates them)
+    scores = jax.lax.stop_gradient(scores)
     bmax = block_max(scores, n_visible, block_size, backend=backend)  # [B, S, NB]
     nb = bmax.shape[-1]
     vals, idx = jax.lax.top_k(bmax, min(n_blocks, nb))  # ties: lower block index, as the reference

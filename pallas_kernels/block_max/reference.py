@@ -1,11 +1,13 @@
-"""XLA reference for block_max: the first half of ``indexer.candidate_block_ids`` (spec attention §6.1)."""
+"""XLA reference for block_max: the block maxima of candidate selection (spec attention §6.1 steps 1-2).
+
+This is the model's path (``indexer.candidate_block_ids`` calls ``api`` with its ``kernel_backend``);
+tests/model/test_indexer.py pins it to a per-query loop over the spec.
+"""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
-
-from dsv41_jax.model import indexer
 
 
 def block_max(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int) -> Float[Array, "B S NB"]:
@@ -18,6 +20,3 @@ def block_max(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block
     pinned = (jnp.arange(nb) == newest[..., None]) & (n_visible[..., None] > 0)
     return jnp.where(pinned, jnp.inf, bmax)
 
-
-def candidate_block_ids(scores, n_visible, block_size: int, n_blocks: int):
-    return indexer.candidate_block_ids(scores, n_visible, block_size, n_blocks)

@@ -1,5 +1,12 @@
-"""fp4_pack: latents -> packed main-KV (NVFP4: E2M1 + E4M3 per 16) and index-key (MXFP4: E2M1 + E8M0
-per 32) formats (spec attention §7.2-7.4), bit-identical to ``dsv41_jax.quant.pack_nvfp4/pack_mxfp4``.
+"""fp4_pack: the main-KV (NVFP4: E2M1 + E4M3 per 16) and index-key (MXFP4: E2M1 + E8M0 per 32) cache
+formats (spec attention §7.2-7.4), bit-identical to ``dsv41_jax.quant``.
+
+- ``pack_*``: latents -> packed codes + scale bytes (``quant.pack_*``).
+- ``unpack_*``: packed codes + scale bytes -> dequantised latents (``quant.unpack_*``).
+- ``write_*``: the engine's cache write fused: pack new rows [B, S, N] and store row (b, s) at slot
+  ``index[b, s]`` of [B, T, ...] caches (``pack`` then ``.at[index].set(mode="drop")``), in place when
+  the caller donates the caches. Live slots of one sequence must be distinct, as the engine's are (one
+  per closed entry): the reference leaves the winner of a duplicate unspecified.
 
 ``backend="xla"`` is the reference (always available); ``backend="pallas"`` picks the kernel for the
 default platform: Triton on GPU, Mosaic TPU on TPU, and the TPU kernel in interpret mode on CPU (slow;
@@ -9,18 +16,18 @@ for tests). The switch is an argument, not config state: callers pass their own 
 from __future__ import annotations
 
 import jax
-from jaxtyping import Array, Float, Shaped, UInt8
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, Shaped, UInt8
 
 from pallas_kernels.fp4_pack import gpu, reference, tpu
 
 BACKENDS = ("xla", "pallas")
 
 
-def _pallas(x, fmt: str):
+def _kernels():
+    """The platform's kernel module and whether it must be interpreted (CPU)."""
     platform = jax.default_backend()
-    if platform == "gpu":
-        return gpu.pack(x, fmt)
-    return tpu.pack(x, fmt, interpret=platform != "tpu")
+    return (gpu, False) if platform == "gpu" else (tpu, platform != "tpu")
 
 
 def _check(backend: str) -> None:
@@ -33,7 +40,10 @@ def pack_nvfp4(
 ) -> tuple[UInt8[Array, "*B N//2"], Shaped[Array, "*B N//16"]]:
     """x -> (E2M1 nibbles uint8, E4M3 scales float8_e4m3fn); 288 B per 512 lanes (main KV)."""
     _check(backend)
-    return reference.pack_nvfp4(x) if backend == "xla" else _pallas(x, "nvfp4")
+    if backend == "xla":
+        return reference.pack_nvfp4(x)
+    mod, interpret = _kernels()
+    return mod.pack(x, "nvfp4", interpret=interpret)
 
 
 def pack_mxfp4(
@@ -41,4 +51,49 @@ def pack_mxfp4(
 ) -> tuple[UInt8[Array, "*B N//2"], UInt8[Array, "*B N//32"]]:
     """x -> (E2M1 nibbles uint8, E8M0 exponent bytes uint8); 68 B per 128 lanes (index keys)."""
     _check(backend)
-    return reference.pack_mxfp4(x) if backend == "xla" else _pallas(x, "mxfp4")
+    if backend == "xla":
+        return reference.pack_mxfp4(x)
+    mod, interpret = _kernels()
+    return mod.pack(x, "mxfp4", interpret=interpret)
+
+
+def unpack_nvfp4(codes: UInt8[Array, "*B N//2"], scales: Shaped[Array, "*B G"], dtype=jnp.float32, *,
+                 backend: str = "xla") -> Float[Array, "*B N"]:
+    """(E2M1 nibbles, E4M3 scales) -> values in ``dtype`` (exact: every code x scale fits bf16, spec §7)."""
+    _check(backend)
+    if backend == "xla":
+        return reference.unpack_nvfp4(codes, scales, dtype)
+    mod, interpret = _kernels()
+    return mod.unpack(codes, scales, "nvfp4", dtype, interpret=interpret)
+
+
+def unpack_mxfp4(codes: UInt8[Array, "*B N//2"], exps: UInt8[Array, "*B G"], dtype=jnp.float32, *,
+                 backend: str = "xla") -> Float[Array, "*B N"]:
+    """(E2M1 nibbles, E8M0 bytes) -> values in ``dtype``."""
+    _check(backend)
+    if backend == "xla":
+        return reference.unpack_mxfp4(codes, exps, dtype)
+    mod, interpret = _kernels()
+    return mod.unpack(codes, exps, "mxfp4", dtype, interpret=interpret)
+
+
+def write_nvfp4(codes_cache: UInt8[Array, "B T N//2"], scales_cache: Shaped[Array, "B T N//16"],
+                x: Float[Array, "B S N"], index: Int[Array, "B S"], *, backend: str = "xla"
+                ) -> tuple[UInt8[Array, "B T N//2"], Shaped[Array, "B T N//16"]]:
+    """Main-KV caches with ``pack_nvfp4(x)[b, s]`` written at slot ``index[b, s]`` (out of range: dropped)."""
+    _check(backend)
+    if backend == "xla":
+        return reference.write_nvfp4(codes_cache, scales_cache, x, index)
+    mod, interpret = _kernels()
+    return mod.write(codes_cache, scales_cache, x, index, "nvfp4", interpret=interpret)
+
+
+def write_mxfp4(codes_cache: UInt8[Array, "B T N//2"], exps_cache: UInt8[Array, "B T N//32"],
+                x: Float[Array, "B S N"], index: Int[Array, "B S"], *, backend: str = "xla"
+                ) -> tuple[UInt8[Array, "B T N//2"], UInt8[Array, "B T N//32"]]:
+    """Index-key caches with ``pack_mxfp4(x)[b, s]`` written at slot ``index[b, s]`` (out of range: dropped)."""
+    _check(backend)
+    if backend == "xla":
+        return reference.write_mxfp4(codes_cache, exps_cache, x, index)
+    mod, interpret = _kernels()
+    return mod.write(codes_cache, exps_cache, x, index, "mxfp4", interpret=interpret)

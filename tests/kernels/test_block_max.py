@@ -1,5 +1,6 @@
-"""block_max kernels == the reference block maxima, and api.candidate_block_ids ==
-indexer.candidate_block_ids exactly (spec attention §6.1), for every implementation.
+"""block_max kernels == the reference block maxima, and api.candidate_block_ids with the pallas backend ==
+the XLA path exactly (spec attention §6.1). The XLA path is what ``indexer.candidate_block_ids`` runs by
+default; tests/model/test_indexer.py pins it to a per-query loop over the spec.
 """
 
 from __future__ import annotations

@@ -116,10 +116,10 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None):
             del cache
 
 
-def prefill(graphdef, state, cfg, lengths, chunk=2048, reps=3):
+def prefill(graphdef, state, cfg, lengths, chunk=2048, reps=3, modes=("exact", "ced")):
     cut = cfg.attention.candidate_source_layer + 1
     for n in lengths:
-        for mode in ("exact", "ced"):
+        for mode in modes:
             def run(mode=mode, n=n, fns={}):  # noqa: B006 -- one compiled function per chunk kind
                 cache = C.init_cache(cfg, 1, n)
                 logits = None
@@ -226,7 +226,8 @@ if __name__ == "__main__":
     elif what == "decode+prefill":  # one weight build for both (decode CONTEXTS BATCHES, prefill LENGTHS REPS)
         decode(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")],
                mesh)
-        prefill(graphdef, state, cfg, [int(x) for x in sys.argv[4].split(",")], reps=int(sys.argv[5]))
+        prefill(graphdef, state, cfg, [int(x) for x in sys.argv[4].split(",")], reps=int(sys.argv[5]),
+                modes=tuple(sys.argv[6].split(",")) if len(sys.argv) > 6 else ("exact", "ced"))
     elif what == "prefill":
         prefill(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")],
                 reps=int(sys.argv[3]) if len(sys.argv) > 3 else 3)

@@ -95,9 +95,10 @@ class Attention(nnx.Module):
         shared, scores = self._select(x, q_latent, pos, shared, ent)
         o, topk_mass = sparse_attention(q, window_kv, sink, cfg.window_size, shared.main_kv, shared.topk,
                                         key_floor=floor, return_mass=True)
-        vis = visible(ent, shared.main_kv.shape[1])
-        dense = entry_mass(q, window_kv, sink, cfg.window_size, shared.main_kv, vis, key_floor=floor)
-        stats = indexer_stats(indexer_target, scores, vis, dense, shared.topk, topk_mass)
+        with jax.named_scope("indexer_loss"):
+            vis = visible(ent, shared.main_kv.shape[1])
+            dense = entry_mass(q, window_kv, sink, cfg.window_size, shared.main_kv, vis, key_floor=floor)
+            stats = indexer_stats(indexer_target, scores, vis, dense, shared.topk, topk_mass)
         return self.output(o, pos), shared._replace(indexer=stats)
 
     def query(self, x: Float[Array, "B S D"], pos: Int[Array, "B S"]):
@@ -114,9 +115,11 @@ class Attention(nnx.Module):
 
     def _publish_kv(self, x: jax.Array, shared: Shared, ent: Entries) -> Shared:
         """Main KV and index keys from the compressor latent, positioned at each group's first token (§3.4)."""
-        latent = self.compressor(x, ent.first)  # [B, C, H], pre-RoPE
+        with jax.named_scope("compressor"):
+            latent = self.compressor(x, ent.first)  # [B, C, H], pre-RoPE
         # the indexer reads the latent before RoPE/QDQ, detached: it learns only from its own loss
-        index_k = self.indexer.keys(jax.lax.stop_gradient(latent), ent.positions, self.freqs)
+        with jax.named_scope("indexer"):
+            index_k = self.indexer.keys(jax.lax.stop_gradient(latent), ent.positions, self.freqs)
         main_kv = apply_rope(latent, ent.positions, self.freqs, heads=False)
         main_kv = quant.qdq_nvfp4(main_kv) if self.cfg.cache_quant.main_kv else main_kv
         return shared._replace(main_kv=main_kv, index_k=index_k)
@@ -124,6 +127,10 @@ class Attention(nnx.Module):
     def _select(self, x: jax.Array, q_latent: jax.Array, pos: jax.Array, shared: Shared, ent: Entries
                 ) -> tuple[Shared, jax.Array]:
         """Top-k (and candidates) of an index source; also returns its scores before candidate restriction."""
+        with jax.named_scope("indexer"):
+            return self._select_scoped(x, q_latent, pos, shared, ent)
+
+    def _select_scoped(self, x, q_latent, pos, shared, ent):
         cfg, spec = self.cfg, self.spec
         x, q_latent = jax.lax.stop_gradient((x, q_latent))  # the indexer is detached (indexer_loss)
         # entry t is visible iff lo ≤ t < hi; hi = (p+1) div m without documents (spec §3.5)

@@ -113,13 +113,15 @@ def routed_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: 
                    module: Experts, limit: float) -> Float[Array, "T D"]:
     """Σ_k weight_k · Expert_{e_k}(x) in fp32, by sorting token copies by expert and a grouped matmul.
 
-    With fewer token copies than experts (a decode step: T·K = 6 per sequence against 384 experts) the
+    With far fewer token copies than experts (a decode step: T·K = 6 per sequence against 384 experts) the
     selected experts' weights are gathered instead, so the step reads T·K expert matrices rather than all
     of them; the grouped matmul would stream every expert's weights (and dequantise every MXFP4 expert)
     to compute a handful of rows. Both paths accumulate in fp32.
     """
     dt = x.dtype
-    if experts.size < module.w1.weight.shape[0]:
+    # gathering copies each picked expert (read + write + read again); the grouped matmul reads every expert
+    # once. Measured on the H200 (BENCHMARKS.md): 6 picks of 16 bf16 experts, gathering was 12% slower.
+    if 3 * experts.size < module.w1.weight.shape[0]:
         return _gathered_experts(x, experts, weights, module, limit)
     w1, w2, w3 = (m.dense(dt) for m in (module.w1, module.w2, module.w3))
     return _local_experts(x, experts, weights, w1, w2, w3, limit, first=0)

@@ -51,14 +51,22 @@ class Block(nnx.Module):
 
         Training calls attention on a whole sequence; the engine passes a cache-reading step instead.
         """
-        a_pre, a_post, a_comb = hc_mixes(x, self.hc_attn_fn[...], self.hc_attn_base[...],
-                                         self.hc_attn_scale[...], self.mhc, self.norm_eps)
-        y, state = attend(self.attn_norm(collapse(x, pre)))  # pre from the previous site
-        x = expand(y, x, a_post, a_comb)
-        f_pre, f_post, f_comb = hc_mixes(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...],
-                                         self.mhc, self.norm_eps)
-        y, routing = self.ffn(self.ffn_norm(collapse(x, a_pre)), is_image)
-        x = expand(y, x, f_post, f_comb)
+        # named scopes: a profile or HLO dump attributes each op to mhc / attention (/ indexer) / moe
+        with jax.named_scope("mhc"):
+            a_pre, a_post, a_comb = hc_mixes(x, self.hc_attn_fn[...], self.hc_attn_base[...],
+                                             self.hc_attn_scale[...], self.mhc, self.norm_eps)
+            u = self.attn_norm(collapse(x, pre))  # pre from the previous site
+        with jax.named_scope("attention"):
+            y, state = attend(u)
+        with jax.named_scope("mhc"):
+            x = expand(y, x, a_post, a_comb)
+            f_pre, f_post, f_comb = hc_mixes(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...],
+                                             self.mhc, self.norm_eps)
+            u = self.ffn_norm(collapse(x, a_pre))
+        with jax.named_scope("moe"):
+            y, routing = self.ffn(u, is_image)
+        with jax.named_scope("mhc"):
+            x = expand(y, x, f_post, f_comb)
         return x, f_pre, state, routing
 
 
@@ -128,7 +136,8 @@ class Transformer(nnx.Module):
         routing, streams, pres, shareds, targets, stats = [], [], [], [], [], []
         for i, block in enumerate(self.layers):
             if block.spec.engram:
-                x = block.engram(x, engram_rows[:, :, cfg.engram.layer_ids.index(i)], is_image)
+                with jax.named_scope("engram"):
+                    x = block.engram(x, engram_rows[:, :, cfg.engram.layer_ids.index(i)], is_image)
             if i in cfg.dspark.target_layer_ids:
                 targets.append(x.astype(jnp.float32).mean(axis=2).astype(x.dtype))
             x, pre, shared, r = run_block(block, x, pre, shared, is_image, docs)
@@ -138,9 +147,10 @@ class Transformer(nnx.Module):
             routing.append(r)
             if return_aux:
                 streams.append(x), pres.append(pre), shareds.append(shared)
-        out = self.norm(collapse(x, pre))
-        logits = jnp.einsum("bsd,vd->bsv", out.astype(jnp.float32), self.head.weight[...].astype(jnp.float32),
-                            precision="highest")
+        with jax.named_scope("head"):
+            out = self.norm(collapse(x, pre))
+            logits = jnp.einsum("bsd,vd->bsv", out.astype(jnp.float32), self.head.weight[...].astype(jnp.float32),
+                                precision="highest")
         if not return_aux:
             return logits
         main_hidden = jnp.concatenate(targets, axis=-1) if targets else None

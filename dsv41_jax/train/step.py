@@ -103,8 +103,9 @@ def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.Grad
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         grads, (ce_sums, bals, experts, idx) = jax.lax.scan(accumulate, zeros, batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         # the bias rule needs only the selections; micro-batches merge into one batch axis
         routing = [Routing(e.reshape(-1, *e.shape[2:]), None, None) for e in experts]
         valid = (batch["segment_ids"] > 0).reshape(-1, batch["segment_ids"].shape[-1])

@@ -192,11 +192,11 @@ def test_moe_equals_routed_plus_shared(tiny_cfg, rng):
 
 
 def test_few_token_copies_gather_their_experts_and_match_the_loop(tiny_cfg, rng):
-    """T·K < E (a decode step) takes the gathered-weights path; same math as the per-token loop."""
-    moe = make_moe(tiny_cfg, seed=5)
-    t, k = 3, 2  # 6 copies < 8 experts
+    """3·T·K < E (a decode step) takes the gathered-weights path; same math as the per-token loop."""
+    moe = make_moe(tiny_cfg, seed=5, n_experts=16)
+    t, k = 2, 2  # 3 · 4 copies < 16 experts
     x = rng.normal(0, 8.0, (t, DIM)).astype(np.float32)
-    experts = np.array([[0, 5], [5, 3], [7, 0]])  # a repeated expert across tokens
+    experts = np.array([[0, 15], [15, 3]])  # a repeated expert across tokens
     weights = rng.uniform(0.1, 1.4, (t, k)).astype(np.float32)
     w1, w3, w2 = (to_np(m.weight) for m in (moe.experts.w1, moe.experts.w3, moe.experts.w2))
     limit = tiny_cfg.moe.swiglu_limit

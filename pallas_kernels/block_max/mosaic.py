@@ -42,10 +42,10 @@ class _Geometry:
         self.tp = -(-t // self.k) * self.k
         self.nbp = self.tp // block_size  # maxima per (padded) row
         unit = 128 if lay == "rows" else 64  # blocks per register-layout tile
-        want = max(positions_per_step // block_size, unit)
-        self.nbt = min(want, -(-self.nbp // unit) * unit)  # blocks per tile
-        self.tt = self.nbt * block_size
-        self.chunk = min(chunk_blocks, self.nbt)
+        up = lambda v, m: -(-v // m) * m  # noqa: E731
+        self.chunk = min(chunk_blocks, up(self.nbp, unit))  # blocks per register pass
+        self.nbt = min(up(max(positions_per_step // block_size, 1), self.chunk), up(self.nbp, self.chunk))
+        self.tt = self.nbt * block_size  # positions per tile
         problems = []
         if lay not in LAYOUTS:
             problems.append(f"layout must be one of {LAYOUTS}")

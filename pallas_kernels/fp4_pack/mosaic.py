@@ -200,6 +200,17 @@ def _kernel_body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
     return body
 
 
+STEP_BYTES = 32 * 1024  # input bytes per TMA tile by default: 3 stages + outputs ~ 110 KB of SMEM per CTA
+
+
+def default_rows_per_step(n: int, block: int, split: bool) -> int:
+    """Rows per tile for about STEP_BYTES of kernel input, rounded so a tile holds a multiple of 128 groups."""
+    g = n // block
+    unit = 128 // math.gcd(128, g)  # rows per 128 groups
+    rows = max(unit, STEP_BYTES // (n * (4 if split else 2)) // unit * unit)
+    return min(rows, 256 // unit * unit)
+
+
 def _to_kernel_input(x, block: int):
     """[..., N] -> (int32 view for the kernel, split?): bf16 pairs as words (free), else fp32 [evens|odds]."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
@@ -212,16 +223,16 @@ def _to_kernel_input(x, block: int):
 
 @functools.partial(jax.jit, static_argnames=("fmt", "rows_per_step", "chunk", "stages", "ctas_per_sm",
                                              "layout_name", "no_auto_barriers", "interpret"))
-def pack(x, fmt: str, *, rows_per_step: int = 32, chunk: int = 128, stages: int = 3, ctas_per_sm: int = 2,
-         layout_name: str = "rows", no_auto_barriers: bool = False, interpret: bool = False):
+def pack(x, fmt: str, *, rows_per_step: int | None = None, chunk: int = 128, stages: int = 3,
+         ctas_per_sm: int = 2, layout_name: str = "rows", no_auto_barriers: bool = False, interpret: bool = False):
     """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit.
 
-    Tuning (all static): ``rows_per_step`` rows per TMA tile (rows x groups per row must be a multiple of
-    128), ``chunk`` groups per register pass (a multiple of 128 for ``layout_name="rows"``, 64 for
-    ``"wgmma"``), ``stages`` input slots per CTA, ``ctas_per_sm`` resident CTAs per SM (sizes the
-    persistent grid), ``no_auto_barriers`` drops the barriers Pallas puts around each SMEM store (the
-    kernel never reads back what it stores; ``stream`` synchronises before every TMA).
-    ``interpret=True`` runs the GPU interpreter (CPU; no register layouts).
+    Tuning (all static): ``rows_per_step`` rows per TMA tile (rows x groups per row must be a multiple
+    of 128; default: about ``STEP_BYTES`` of input per tile), ``chunk`` groups per register pass (a
+    multiple of 128 for ``layout_name="rows"``, of 64 for ``"wgmma"``), ``stages`` input slots per CTA,
+    ``ctas_per_sm`` resident CTAs per SM (sizes the persistent grid), ``no_auto_barriers`` drops the
+    barriers Pallas puts around each SMEM store (the kernel never reads back what it stores; ``stream``
+    synchronises before every TMA). ``interpret=True`` runs the GPU interpreter (CPU; no layouts).
     """
     block, lead, n = layout.FORMATS[fmt], x.shape[:-1], x.shape[-1]
     if n % block:
@@ -230,6 +241,8 @@ def pack(x, fmt: str, *, rows_per_step: int = 32, chunk: int = 128, stages: int 
     if r == 0:
         return layout.empty(lead, n, block, fmt)
     xin, split = _to_kernel_input(x, block)
+    if rows_per_step is None:
+        rows_per_step = default_rows_per_step(n, block, split)
     geo = _Geometry(r, n, fmt, split, rows_per_step, chunk, layout_name)
     if interpret:
         geo.pad_outputs()

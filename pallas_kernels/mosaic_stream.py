@@ -100,7 +100,10 @@ def stream(*, n_tiles: int, n_ctas: int, stages: int, barrier,
 
 def kernel(body, *, out_type, scratch_types, n_ctas: int, interpret: bool, no_auto_barriers: bool = False):
     """``plgpu.kernel`` over ``n_ctas`` CTAs of one warpgroup each, on grid axis ``CTA_AXIS``."""
-    params = plgpu.CompilerParams(unsafe_no_auto_barriers=True) if no_auto_barriers else None
+    kw = {}
+    if no_auto_barriers:
+        kw["compiler_params"] = plgpu.CompilerParams(unsafe_no_auto_barriers=True)
+    if interpret:
+        kw["interpret"] = interpret_params()
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=(n_ctas,),
-                        grid_names=(CTA_AXIS,), compiler_params=params,
-                        interpret=interpret_params() if interpret else None)
+                        grid_names=(CTA_AXIS,), **kw)

@@ -1,19 +1,19 @@
 """block_max on GPU through Mosaic GPU (``plgpu.kernel``), the supported Pallas GPU path in jax 0.11.
 
-A pure streaming max: each CTA runs ``mosaic_stream.stream`` over tiles of ``positions_per_step``
-positions of one score row (TMA in, ``stages`` slots; TMA out, two buffers). In registers a tile is a
-[blocks, block_size] array with one block per thread (``fp4_pack.mosaic.rows_layout``), so the block
-max stays inside the thread; the newest visible block, ``(n_p - 1) // block_size`` where n_p > 0, is
-set to +inf with an iota over the tile's block ids (n_p read as a scalar from GMEM). ``top_k`` stays in
-XLA (``api.candidate_block_ids``): Mosaic GPU has no sort / top_k lowering.
+A streaming max: each CTA runs ``mosaic_stream.stream`` over tiles of ``positions_per_step`` positions
+of one score row (TMA in with ``stages`` slots, TMA out from two buffers). In registers a tile is a
+[blocks, block_size] array with one block per thread (``fp4_pack.mosaic.rows_layout``), so the block max
+stays inside the thread; the newest visible block ``(n_p - 1) // block_size`` (where n_p > 0) is set to
++inf by comparing an iota of block ids with n_p, read as a scalar from GMEM. ``top_k`` stays in XLA
+(``api.candidate_block_ids``): Mosaic GPU has no sort / top_k lowering.
 
 GMEM views (TMA boxes need an innermost extent of >= 16 bytes and <= 256 elements per dimension):
-scores [R, Tp / K, K] and maxima [R, Tp / (K / ko)... ] with K = block_size * ko positions per box row
-and ko maxima per output box row (ko * itemsize >= 16 bytes). Both are free reshapes when T is a
-multiple of K (64 for block_size 8, f32 or bf16). Otherwise XLA pads the scores with -inf up to Tp (one
-extra copy of the input; -inf is the reference's own padding) and slices the maxima. The last tile of
-a row may overhang Tp: TMA zero-fills those loads, and the maxima computed from them lie past the
-output row and are dropped by the TMA store.
+scores [R, Tp / K, K] and maxima [R, Tp / K, ko], with ko maxima per box row (ko * itemsize >= 16
+bytes) and K = block_size * ko positions. Both are free reshapes when T is a multiple of K (64 for
+block_size 8 in f32 or bf16). Otherwise XLA pads the scores with -inf up to Tp (one extra copy of the
+input; -inf is the reference's own padding) and slices the maxima. The last tile of a row may overhang
+Tp: TMA zero-fills those loads, and the maxima computed from them fall past the output row, where the
+TMA store drops them.
 """
 
 from __future__ import annotations

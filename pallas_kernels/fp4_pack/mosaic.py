@@ -1,27 +1,31 @@
 """fp4_pack on GPU through Mosaic GPU (``plgpu.kernel``), the supported Pallas GPU path in jax 0.11.
 
-Streaming and memory-bound: each CTA runs ``mosaic_stream.stream`` over row tiles of ``rows_per_step``
-rows (TMA in, ``stages`` slots; TMA out, two buffers). The arithmetic is ``encode``'s integer E2M1 /
-E4M3 / E8M0 encoding (no fp4/fp8 casts: Mosaic GPU has them on Blackwell only; no float divide).
+Streaming: each CTA runs ``mosaic_stream.stream`` over row tiles (TMA in with ``stages`` slots, TMA out
+from two buffers), so loads, the encode and stores of consecutive tiles overlap. Bit-identical to
+``quant.pack_nvfp4`` / ``pack_mxfp4``; no fp4/fp8 casts (Mosaic GPU has them on Blackwell only) and no
+float divide.
 
-Data layout, chosen so the kernel needs no lane shuffles for the (even, odd) pairs packed into a byte:
+Per element the encode is 7 compares of |x| with per-group thresholds (``thresholds``: exact, and
+checked exhaustively against the reference), instead of ``encode``'s ~90 integer ops of long division
+and bit rounding, which would make the kernel ALU-bound far above its byte floor. The per-group work
+(amax, the E4M3 / E8M0 scale with ``encode``'s exact integer routines, 7 products) runs once per group:
+in the default ``rows`` register layout a thread owns whole groups ([groups, pairs] with one row per
+thread), so the group max and the threshold broadcast stay in registers. ``layout_name="wgmma"`` (the
+WGMMA layout, 4 lanes per group, shuffles for the max) is kept as a fallback variant.
 
-* bf16 input: each pair of lanes is one 32-bit word (free ``bitcast_convert_type`` of [..., 2] bf16),
-  low half = even lane. In registers: even = word << 16, odd = word & 0xFFFF0000 as fp32 bits (exact).
-  The kernel reads the input once: this is the fast path.
-* f32 (and other) input: a pair is 64 bits, which no 32-bit register type holds, so XLA first
-  transposes the fp32 bit patterns of each group to [evens | odds] (one extra read + write of the
-  input); the kernel then loads the two halves of a group as two arrays.
+Pairs without lane shuffles (element 2i goes in the low nibble of byte i):
 
-A group (16 lanes NVFP4 / 32 lanes MXFP4 = P = 8 / 16 pairs) is one row of a [groups, P] array in
-the WGMMA register layout (each thread holds 2 adjacent pairs; 4 lanes span a row), so the group max
-is a row reduction (in-thread max + 2 shuffles) and its broadcast back is the layout's own. Tiles are
-computed ``chunk`` groups at a time to bound register use.
+* bf16 input: a pair of lanes is one 32-bit word (free ``bitcast_convert_type`` of [..., 2] bf16),
+  low half = even lane; even = word << 16, odd = word & 0xFFFF0000 as fp32 bits (exact). The kernel
+  reads the input once: the fast path, and the cache-write dtype.
+* f32 (and other) input: a pair is 64 bits, which no 32-bit register type holds and Mosaic GPU's
+  layouts cannot split out of a vector register, so XLA first transposes each group's fp32 bit
+  patterns to [evens | odds] (one extra read + write of the input); the kernel loads the halves.
 
-TMA constraints shape the GMEM views (innermost box >= 16 bytes, <= 256 elements per box dimension):
-input [R, G, P] words (or [R, G, 2, P]), codes [R, N/2] bytes (3-D [R, N/512, 256] when N > 512),
-scales [R, G] bytes when G is a multiple of 16, else flat [R * G] bytes stored in 256-byte pieces.
-The last row tile overhangs R: TMA zero-fills its loads and drops its stores.
+TMA boxes need an innermost extent of >= 16 bytes and <= 256 elements per dimension, which shapes the
+GMEM views: input [R, G, P] words (or [R, G, 2, P]), codes [R, N/2] bytes (or [R, N/512, 256]), scales
+[R, G] bytes when G is a multiple of 16, else flat [R * G] bytes stored in 256-byte pieces. The last
+row tile overhangs R: TMA zero-fills its loads and drops its stores.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_stream as ms
@@ -47,11 +50,13 @@ _ABS, _HI_HALF = 0x7FFFFFFF, -65536  # |x| mask; 0xFFFF0000 as int32
 def rows_layout(p: int):
     """[C, p] arrays (p a multiple of 4) with one row per thread: 4 warps x 32 lanes over 128 rows, the
     row's p elements in vectors of 4 (16-byte SMEM accesses for 32-bit data); row reductions stay inside
-    the thread."""
-    raw = mgpu_fa.TiledLayout(mgpu_fa.Tiling(((128, p), (32, p), (1, 4))), warp_dims=(-6,), lane_dims=(-4,),
-                              vector_dim=-1, _check_canonical=False).canonicalize()
-    return plgpu.Layout.TILED(raw.tiling, warp_dims=raw.warp_dims, lane_dims=raw.lane_dims,
-                              vector_dim=raw.vector_dim)
+    the thread. Written in Mosaic GPU's canonical form of the tiling (128, p)(32, p)(1, 4)."""
+    if p % 4:
+        raise ValueError(f"rows_layout: the row length ({p}) must be a multiple of 4")
+    if p == 4:
+        return plgpu.Layout.TILED(plgpu.Tiling(((128, 4), (32, 4))), warp_dims=(-4,), lane_dims=(-2,), vector_dim=-1)
+    return plgpu.Layout.TILED(plgpu.Tiling(((128, p), (32, p), (4,))), warp_dims=(-5,), lane_dims=(-3,),
+                              vector_dim=-1)
 
 
 LAYOUTS = ("rows", "wgmma")

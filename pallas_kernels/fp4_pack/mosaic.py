@@ -98,7 +98,8 @@ class _Geometry:
         self.g, self.p = n // block, block // 2
         self.br = min(rows_per_step, 256)
         self.bm = self.br * self.g  # groups per tile
-        self.chunk = min(chunk, self.bm)
+        unit = _ROWS_PER_LAYOUT_TILE.get(lay, 128)
+        self.chunk = max((c for c in range(unit, min(chunk, self.bm) + 1, unit) if self.bm % c == 0), default=chunk)
         half = n // 2
         self.codes_view = (r, half) if half <= 256 else (r, half // 256, 256)
         self.scales_2d = self.g % 16 == 0
@@ -110,7 +111,6 @@ class _Geometry:
             problems.append(f"N/2 ({half}) must be <= 256 or a multiple of 256")
         if self.g > 256:
             problems.append(f"groups per row ({self.g}) must be <= 256 (TMA box)")
-        unit = _ROWS_PER_LAYOUT_TILE.get(lay, 128)
         if self.chunk % unit or self.bm % self.chunk:
             problems.append(f"chunk ({self.chunk}) must be a multiple of {unit} dividing the groups per tile "
                             f"({self.bm})")
@@ -208,12 +208,14 @@ def _kernel_body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
 STEP_BYTES = 32 * 1024  # input bytes per TMA tile by default: 3 stages + outputs ~ 110 KB of SMEM per CTA
 
 
-def default_rows_per_step(n: int, block: int, split: bool) -> int:
-    """Rows per tile for about STEP_BYTES of kernel input, rounded so a tile holds a multiple of 128 groups."""
+def default_rows_per_step(r: int, n: int, block: int, split: bool, n_ctas: int) -> int:
+    """Rows per tile: about STEP_BYTES of kernel input, fewer when that leaves CTAs idle, rounded so a
+    tile holds a multiple of 128 groups (and at most 256 rows, the TMA box limit)."""
     g = n // block
     unit = 128 // math.gcd(128, g)  # rows per 128 groups
-    rows = max(unit, STEP_BYTES // (n * (4 if split else 2)) // unit * unit)
-    return min(rows, 256 // unit * unit)
+    rows = STEP_BYTES // (n * (4 if split else 2))
+    rows = min(rows, r // n_ctas)  # small inputs: one tile per CTA at least
+    return min(max(unit, rows // unit * unit), 256 // unit * unit)
 
 
 def _to_kernel_input(x, block: int):
@@ -233,11 +235,12 @@ def pack(x, fmt: str, *, rows_per_step: int | None = None, chunk: int = 128, sta
     """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit.
 
     Tuning (all static): ``rows_per_step`` rows per TMA tile (rows x groups per row must be a multiple
-    of 128; default: about ``STEP_BYTES`` of input per tile), ``chunk`` groups per register pass (a
-    multiple of 128 for ``layout_name="rows"``, of 64 for ``"wgmma"``), ``stages`` input slots per CTA,
-    ``ctas_per_sm`` resident CTAs per SM (sizes the persistent grid), ``no_auto_barriers`` drops the
-    barriers Pallas puts around each SMEM store (the kernel never reads back what it stores; ``stream``
-    synchronises before every TMA). ``interpret=True`` runs the GPU interpreter (CPU; no layouts).
+    of 128; default: ``default_rows_per_step``), ``chunk`` groups per register pass at most (the largest
+    divisor of the tile in multiples of 128 for ``layout_name="rows"``, of 64 for ``"wgmma"``),
+    ``stages`` input slots per CTA, ``ctas_per_sm`` resident CTAs per SM (sizes the persistent grid),
+    ``no_auto_barriers`` drops the barriers Pallas puts around each SMEM store (the kernel never reads
+    back what it stores; ``stream`` synchronises before every TMA). ``interpret=True`` runs the GPU
+    interpreter (CPU; no register layouts).
     """
     block, lead, n = layout.FORMATS[fmt], x.shape[:-1], x.shape[-1]
     if n % block:
@@ -246,12 +249,13 @@ def pack(x, fmt: str, *, rows_per_step: int | None = None, chunk: int = 128, sta
     if r == 0:
         return layout.empty(lead, n, block, fmt)
     xin, split = _to_kernel_input(x, block)
+    max_ctas = ctas_per_sm * ms.num_sms()
     if rows_per_step is None:
-        rows_per_step = default_rows_per_step(n, block, split)
+        rows_per_step = default_rows_per_step(r, n, block, split, max_ctas)
     geo = _Geometry(r, n, fmt, split, rows_per_step, chunk, layout_name)
     if interpret:
         geo.pad_outputs()
-    n_ctas = min(geo.n_tiles, ctas_per_sm * ms.num_sms())
+    n_ctas = min(geo.n_tiles, max_ctas)
     scratch = [
         plgpu.SMEM((stages, *geo.in_block), jnp.int32),
         plgpu.SMEM((2, *geo.codes_block), jnp.uint8),

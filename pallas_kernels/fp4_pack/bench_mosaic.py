@@ -24,7 +24,9 @@ from pallas_kernels.fp4_pack.bench import OPS_PER_ELEMENT, SHAPES
 DEFAULT_VARIANTS = [
     "",
     "no_auto_barriers=true",
-    "no_auto_barriers=true,ctas_per_sm=3,stages=2",
+    "no_auto_barriers=true,stages=2,step_bytes=32768",
+    "no_auto_barriers=true,stages=4,step_bytes=16384",
+    "no_auto_barriers=true,ctas_per_sm=3,stages=2,step_bytes=16384",
     "no_auto_barriers=true,chunk=256",
     "layout_name=wgmma,no_auto_barriers=true",
 ]

@@ -43,7 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import mosaic_stream as ms
 from pallas_kernels.fp4_pack import layout, thresholds
 
-_SCALE_PIECE = 256  # bytes per TMA store of the flat scale view
+_SCALE_PIECE = 256  # bytes per TMA store of the flat scale view (the TMA box limit), else 128
 _ABS, _HI_HALF = 0x7FFFFFFF, -65536  # |x| mask; 0xFFFF0000 as int32
 
 
@@ -116,8 +116,6 @@ class _Geometry:
                             f"({self.bm})")
         if self.bm % 128:  # a tile's scale buffer holds bm bytes; TMA wants 128-byte aligned SMEM
             problems.append(f"groups per tile ({self.bm} = rows_per_step x {self.g}) must be a multiple of 128")
-        if not self.scales_2d and self.bm % _SCALE_PIECE and self.bm > _SCALE_PIECE:
-            problems.append(f"groups per tile ({self.bm}) must be <= or a multiple of {_SCALE_PIECE}")
         if problems:
             raise ValueError(f"fp4_pack mosaic ({fmt}, N={n}, rows_per_step={rows_per_step}, chunk={chunk}, "
                              f"layout={lay}): " + "; ".join(problems))
@@ -159,8 +157,8 @@ def _kernel_body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
             if geo.scales_2d:
                 plgpu.copy_smem_to_gmem(s_buf.at[buf], scales_gmem.at[rows(t * geo.br)])
                 return
-            pieces = max(1, geo.bm // _SCALE_PIECE)
-            size = geo.bm // pieces
+            size = min(geo.bm, _SCALE_PIECE if geo.bm % _SCALE_PIECE == 0 else 128)  # bm is a multiple of 128
+            pieces = geo.bm // size
             for i in range(pieces):
                 plgpu.copy_smem_to_gmem(s_buf.at[buf, pl.ds(i * size, size)],
                                         scales_gmem.at[pl.ds(t * geo.bm + i * size, size)],
@@ -205,15 +203,16 @@ def _kernel_body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
     return body
 
 
-STEP_BYTES = 32 * 1024  # input bytes per TMA tile by default: 3 stages + outputs ~ 110 KB of SMEM per CTA
+STEP_BYTES = 24 * 1024  # input bytes per TMA tile by default: 3 stages + outputs ~ 90 KB of SMEM per CTA,
+# so two CTAs fit an SM (228 KB)
 
 
-def default_rows_per_step(r: int, n: int, block: int, split: bool, n_ctas: int) -> int:
-    """Rows per tile: about STEP_BYTES of kernel input, fewer when that leaves CTAs idle, rounded so a
+def default_rows_per_step(r: int, n: int, block: int, split: bool, n_ctas: int, step_bytes: int = STEP_BYTES) -> int:
+    """Rows per tile: about ``step_bytes`` of kernel input, fewer when that leaves CTAs idle, rounded so a
     tile holds a multiple of 128 groups (and at most 256 rows, the TMA box limit)."""
     g = n // block
     unit = 128 // math.gcd(128, g)  # rows per 128 groups
-    rows = STEP_BYTES // (n * (4 if split else 2))
+    rows = step_bytes // (n * (4 if split else 2))
     rows = min(rows, r // n_ctas)  # small inputs: one tile per CTA at least
     return min(max(unit, rows // unit * unit), 256 // unit * unit)
 
@@ -228,19 +227,20 @@ def _to_kernel_input(x, block: int):
     return jnp.swapaxes(bits, -1, -2), True  # [R, G, 2, P]: one XLA transpose
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "rows_per_step", "chunk", "stages", "ctas_per_sm",
-                                             "layout_name", "no_auto_barriers", "interpret"))
-def pack(x, fmt: str, *, rows_per_step: int | None = None, chunk: int = 128, stages: int = 3,
-         ctas_per_sm: int = 2, layout_name: str = "rows", no_auto_barriers: bool = False, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("fmt", "rows_per_step", "step_bytes", "chunk", "stages",
+                                             "ctas_per_sm", "layout_name", "no_auto_barriers", "interpret"))
+def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STEP_BYTES, chunk: int = 128,
+         stages: int = 3, ctas_per_sm: int = 2, layout_name: str = "rows", no_auto_barriers: bool = False,
+         interpret: bool = False):
     """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit.
 
     Tuning (all static): ``rows_per_step`` rows per TMA tile (rows x groups per row must be a multiple
-    of 128; default: ``default_rows_per_step``), ``chunk`` groups per register pass at most (the largest
-    divisor of the tile in multiples of 128 for ``layout_name="rows"``, of 64 for ``"wgmma"``),
-    ``stages`` input slots per CTA, ``ctas_per_sm`` resident CTAs per SM (sizes the persistent grid),
-    ``no_auto_barriers`` drops the barriers Pallas puts around each SMEM store (the kernel never reads
-    back what it stores; ``stream`` synchronises before every TMA). ``interpret=True`` runs the GPU
-    interpreter (CPU; no register layouts).
+    of 128; default: ``default_rows_per_step`` for ``step_bytes`` of input per tile), ``chunk`` groups
+    per register pass at most (the largest divisor of the tile in multiples of 128 for
+    ``layout_name="rows"``, of 64 for ``"wgmma"``), ``stages`` input slots per CTA, ``ctas_per_sm``
+    resident CTAs per SM (sizes the persistent grid), ``no_auto_barriers`` drops the barriers Pallas puts
+    around each SMEM store (the kernel never reads back what it stores; ``stream`` synchronises before
+    every TMA). ``interpret=True`` runs the GPU interpreter (CPU; no register layouts).
     """
     block, lead, n = layout.FORMATS[fmt], x.shape[:-1], x.shape[-1]
     if n % block:
@@ -251,7 +251,7 @@ def pack(x, fmt: str, *, rows_per_step: int | None = None, chunk: int = 128, sta
     xin, split = _to_kernel_input(x, block)
     max_ctas = ctas_per_sm * ms.num_sms()
     if rows_per_step is None:
-        rows_per_step = default_rows_per_step(r, n, block, split, max_ctas)
+        rows_per_step = default_rows_per_step(r, n, block, split, max_ctas, step_bytes)
     geo = _Geometry(r, n, fmt, split, rows_per_step, chunk, layout_name)
     if interpret:
         geo.pad_outputs()

@@ -107,8 +107,9 @@ class _Geometry:
         problems = []
         if lay not in LAYOUTS:
             problems.append(f"layout must be one of {LAYOUTS}")
-        if half > 256 and half % 256:
-            problems.append(f"N/2 ({half}) must be <= 256 or a multiple of 256")
+        if half % 16 or (half > 256 and half % 256):
+            problems.append(f"N/2 ({half}) must be a multiple of 16 (TMA rows of whole 16 bytes) and at most 256 "
+                            "or a multiple of 256")
         if self.g > 256:
             problems.append(f"groups per row ({self.g}) must be <= 256 (TMA box)")
         if self.chunk % unit or self.bm % self.chunk:

@@ -14,6 +14,7 @@ XLA:CPU's flushing of subnormal inputs to zero.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -233,7 +234,7 @@ BM_SHAPES = [(1, 1, 8, 8), (2, 3, 37, 8), (3, 2, 129, 8), (2, 5, 100, 4), (1, 3,
 
 
 @pytest.mark.parametrize("fmt,n,rows_per_step", [("nvfp4", 512, 16), ("mxfp4", 128, 32), ("nvfp4", 128, 16),
-                                                 ("mxfp4", 512, 8)])
+                                                 ("mxfp4", 512, 8), ("nvfp4", 96, 64), ("mxfp4", 64, 64)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fp4_interpreted(fmt, n, rows_per_step, dtype):
     x = np.asarray(jnp.asarray(all_fp4_cases(fmt, n), dtype).astype(jnp.float32))  # values the dtype holds
@@ -288,13 +289,15 @@ FP4_VARIANTS = [dict(), dict(layout_name="wgmma", chunk=64), dict(rows_per_step=
 
 def _fp4_variant(i: int, fmt: str, n: int) -> dict:
     kw = dict(FP4_VARIANTS[i])
-    if "rows_per_step" in kw:  # at least 128 groups per tile
-        kw["rows_per_step"] = max(kw["rows_per_step"], 128 * BLOCK[fmt] // n)
+    if "rows_per_step" in kw:  # rounded up to whole multiples of 128 groups per tile
+        unit = 128 // math.gcd(128, n // BLOCK[fmt])
+        kw["rows_per_step"] = -(-kw["rows_per_step"] // unit) * unit
     return kw
 
 
 @pytest.mark.parametrize("variant", range(len(FP4_VARIANTS)))
-@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 1024), ("mxfp4", 512)])
+@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 1024), ("mxfp4", 512), ("nvfp4", 96),
+                                   ("mxfp4", 64)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_fp4_lowers_to_mosaic_gpu(variant, fmt, n, dtype):
     kw = _fp4_variant(variant, fmt, n)
@@ -318,6 +321,8 @@ def test_bad_tilings_are_refused():
         fp4_mosaic.pack(jnp.zeros((8, 128)), "mxfp4", rows_per_step=8)  # 32 groups per tile
     with pytest.raises(ValueError, match="chunk"):
         fp4_mosaic.pack(jnp.zeros((8, 512)), "nvfp4", chunk=96)
+    with pytest.raises(ValueError, match="N/2"):
+        fp4_mosaic.pack(jnp.zeros((8, 16)), "nvfp4")  # 8 code bytes per row: below a TMA row
     with pytest.raises(ValueError, match="block_size"):
         bm_mosaic.block_max(jnp.zeros((1, 1, 64)), jnp.ones((1, 1), jnp.int32), 6)
 

@@ -60,3 +60,30 @@ def measure(kernel: str, impl: str, fn, args: tuple, shape, nbytes: int, ops: in
 
 def header(variants) -> None:
     print(json.dumps({"jax": jax.__version__, "device": str(jax.devices()[0]), "variants": variants}), flush=True)
+
+
+def summarize(paths) -> None:
+    """One short line per JSON record of the given bench outputs (errors cut to their first line)."""
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if not line.startswith("{"):
+                    continue
+                r = json.loads(line)
+                if "kernel" not in r:
+                    print(f"# {r}")
+                    continue
+                tag = f"{r['kernel']:9s} {r['impl']:8s} {str(r.get('variant', '')):55s} {str(r['shape']):16s} " \
+                      f"{r.get('fmt', r.get('stage', '')):10s}"
+                if "error" in r:
+                    print(f"{tag} ERROR {r['error'].splitlines()[0][:160]}")
+                else:
+                    print(f"{tag} {r['median_us']:9.1f} us  pipelined {r['pipelined_us']:9.1f} us  "
+                          f"{r['gb_per_s']:7.1f} GB/s  floor x{r['fraction_of_floor']:.2f}  "
+                          f"exact={r.get('exact', '-')}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    summarize(sys.argv[1:])

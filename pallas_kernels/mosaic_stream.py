@@ -47,11 +47,6 @@ def interpret_params():
     return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
 
 
-def with_layout(x, layout, interpret: bool):
-    """``plgpu.layout_cast`` when compiling; identity when interpreting (no layouts there)."""
-    return x if interpret else plgpu.layout_cast(x, layout)
-
-
 def load(ref, layout):
     """Whole-ref SMEM load into ``layout`` (compiled path). ``optimized=False``: row-major tiles whose rows
     are narrower than 128 bytes have no bank-conflict-free plan, and the plain schedule is fine there."""

@@ -363,6 +363,7 @@ def test_fp4_on_device(variant, fmt, n):
                     rows = [int(r) for r in np.unique(np.argwhere(
                         np.asarray(impl(jnp.asarray(x, dtype), fmt)[0]) != _on_cpu(REFERENCE[fmt], x)[0])[:, 0])]
                     msg += f"; cases with a difference: {sorted(set(names[rows].tolist()))}"
+                print("MISMATCH", msg, flush=True)  # shown at once with pytest -s, even if the run is cut short
                 errors.append(msg)
     assert not errors, "\n".join(errors)
 
@@ -396,6 +397,7 @@ def test_block_max_on_device(variant):
                 try:
                     _bm_check(impl, scores, n, bs, f"{kw} {(b, s, t)} block {bs} ties={ties} {jnp.dtype(dtype).name}")
                 except AssertionError as e:
+                    print("MISMATCH", e, flush=True)
                     errors.append(str(e))
     assert not errors, "\n".join(errors)
 

@@ -1,0 +1,271 @@
+"""fp4_pack on GPU through Mosaic GPU (``plgpu.kernel``), the supported Pallas GPU path in jax 0.11.
+
+Streaming: each CTA runs ``mosaic_stream.stream`` over row tiles (TMA in with ``stages`` slots, TMA out
+from two buffers), so loads, the encode and stores of consecutive tiles overlap. Bit-identical to
+``quant.pack_nvfp4`` / ``pack_mxfp4``; no fp4/fp8 casts (Mosaic GPU has them on Blackwell only) and no
+float divide.
+
+Per element the encode is 7 compares of |x| with per-group thresholds (``thresholds``: exact, and
+checked exhaustively against the reference), instead of ``encode``'s ~90 integer ops of long division
+and bit rounding, which would make the kernel ALU-bound far above its byte floor. The per-group work
+(amax, the E4M3 / E8M0 scale with ``encode``'s exact integer routines, 7 products) runs once per group:
+in the default ``rows`` register layout a thread owns whole groups ([groups, pairs] with one row per
+thread), so the group max and the threshold broadcast stay in registers. ``layout_name="wgmma"`` (the
+WGMMA layout, 4 lanes per group, shuffles for the max) is kept as a fallback variant.
+
+Pairs without lane shuffles (element 2i goes in the low nibble of byte i):
+
+* bf16 input: a pair of lanes is one 32-bit word (free ``bitcast_convert_type`` of [..., 2] bf16),
+  low half = even lane; even = word << 16, odd = word & 0xFFFF0000 as fp32 bits (exact). The kernel
+  reads the input once: the fast path, and the cache-write dtype.
+* f32 (and other) input: a pair is 64 bits, which no 32-bit register type holds and Mosaic GPU's
+  layouts cannot split out of a vector register, so XLA first transposes each group's fp32 bit
+  patterns to [evens | odds] (one extra read + write of the input); the kernel loads the halves.
+
+TMA boxes need an innermost extent of >= 16 bytes and <= 256 elements per dimension, which shapes the
+GMEM views: input [R, G, P] words (or [R, G, 2, P]), codes [R, N/2] bytes (or [R, N/512, 256]), scales
+[R, G] bytes when G is a multiple of 16, else flat [R * G] bytes stored in 256-byte pieces. The last
+row tile overhangs R: TMA zero-fills its loads and drops its stores.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import mosaic_stream as ms
+from pallas_kernels.fp4_pack import layout, thresholds
+
+_SCALE_PIECE = 256  # bytes per TMA store of the flat scale view (the TMA box limit), else 128
+_ABS, _HI_HALF = 0x7FFFFFFF, -65536  # |x| mask; 0xFFFF0000 as int32
+
+
+def rows_layout(p: int):
+    """[C, p] arrays (p a multiple of 4) with one row per thread: 4 warps x 32 lanes over 128 rows, the
+    row's p elements in vectors of 4 (16-byte SMEM accesses for 32-bit data); row reductions stay inside
+    the thread. Written in Mosaic GPU's canonical form of the tiling (128, p)(32, p)(1, 4)."""
+    if p % 4:
+        raise ValueError(f"rows_layout: the row length ({p}) must be a multiple of 4")
+    if p == 4:
+        return plgpu.Layout.TILED(plgpu.Tiling(((128, 4), (32, 4))), warp_dims=(-4,), lane_dims=(-2,), vector_dim=-1)
+    return plgpu.Layout.TILED(plgpu.Tiling(((128, p), (32, p), (4,))), warp_dims=(-5,), lane_dims=(-3,),
+                              vector_dim=-1)
+
+
+LAYOUTS = ("rows", "wgmma")
+_ROWS_PER_LAYOUT_TILE = {"rows": 128, "wgmma": 64}
+
+
+def _encode(fmt: str, even_bits, odd_bits, bcast):
+    """fp32 bit patterns of the even / odd lanes [C, P] -> (packed nibbles uint8 [C, P], scale byte uint8 [C]).
+
+    ``bcast`` maps a per-group [C] array to [C, P] in the register layout of the inputs.
+    """
+    f32 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float32)
+    ae, ao = f32(even_bits & _ABS), f32(odd_bits & _ABS)
+    amax = jnp.max(jnp.maximum(ae, ao), axis=1)
+    if fmt == "nvfp4":
+        s, byte = thresholds.nvfp4_scale(amax)
+        thr = thresholds.nvfp4_thresholds(s)
+    else:
+        e = thresholds.mxfp4_scale(amax)
+        byte, thr = e + 127, thresholds.mxfp4_thresholds(e)
+    thr = [bcast(t) for t in thr]
+    sign = ((even_bits >> 28) & 0x08) | ((odd_bits >> 24) & 0x80)  # code bit 3 of each nibble
+    packed = thresholds.code_index(ae, thr) | (thresholds.code_index(ao, thr) << 4) | sign
+    return packed.astype(jnp.uint8), byte.astype(jnp.uint8)
+
+
+def _lanes(w, split: bool):
+    """Kernel input rows -> fp32 bit patterns of (even, odd) lanes: bf16 words split in registers, or the
+    two halves of a pre-split fp32 group."""
+    return w if split else (w << 16, w & _HI_HALF)
+
+
+class _Geometry:
+    """Static shapes of one call: GMEM views, tile sizes and their checks."""
+
+    def __init__(self, r: int, n: int, fmt: str, split: bool, rows_per_step: int, chunk: int, lay: str):
+        block = layout.FORMATS[fmt]
+        self.r, self.n, self.fmt, self.split, self.layout = r, n, fmt, split, lay
+        self.g, self.p = n // block, block // 2
+        self.br = min(rows_per_step, 256)
+        self.bm = self.br * self.g  # groups per tile
+        unit = _ROWS_PER_LAYOUT_TILE.get(lay, 128)
+        self.chunk = max((c for c in range(unit, min(chunk, self.bm) + 1, unit) if self.bm % c == 0), default=chunk)
+        half = n // 2
+        self.codes_view = (r, half) if half <= 256 else (r, half // 256, 256)
+        self.scales_2d = self.g % 16 == 0
+        self.scales_view = (r, self.g) if self.scales_2d else (r * self.g,)
+        problems = []
+        if lay not in LAYOUTS:
+            problems.append(f"layout must be one of {LAYOUTS}")
+        if half % 16 or (half > 256 and half % 256):
+            problems.append(f"N/2 ({half}) must be a multiple of 16 (TMA rows of whole 16 bytes) and at most 256 "
+                            "or a multiple of 256")
+        if self.g > 256:
+            problems.append(f"groups per row ({self.g}) must be <= 256 (TMA box)")
+        if self.chunk % unit or self.bm % self.chunk:
+            problems.append(f"chunk ({self.chunk}) must be a multiple of {unit} dividing the groups per tile "
+                            f"({self.bm})")
+        if self.bm % 128:  # a tile's scale buffer holds bm bytes; TMA wants 128-byte aligned SMEM
+            problems.append(f"groups per tile ({self.bm} = rows_per_step x {self.g}) must be a multiple of 128")
+        if problems:
+            raise ValueError(f"fp4_pack mosaic ({fmt}, N={n}, rows_per_step={rows_per_step}, chunk={chunk}, "
+                             f"layout={lay}): " + "; ".join(problems))
+        self.n_tiles = -(-r // self.br)
+        self.rows_out = r
+
+    def pad_outputs(self):
+        """Interpret mode drops a partially out-of-bounds store where TMA clips it: interpreted outputs are
+        padded to whole tiles (and sliced by the caller)."""
+        self.rows_out = self.n_tiles * self.br
+        self.codes_view = (self.rows_out, *self.codes_view[1:])
+        self.scales_view = (self.rows_out, self.g) if self.scales_2d else (self.rows_out * self.g,)
+
+    @property
+    def in_block(self):
+        return (self.br, self.g, 2, self.p) if self.split else (self.br, self.g, self.p)
+
+    @property
+    def codes_block(self):
+        return (self.br, *self.codes_view[1:])
+
+    @property
+    def scales_block(self):
+        return (self.br, self.g) if self.scales_2d else (self.bm,)
+
+    def reg_layout(self):
+        return rows_layout(self.p) if self.layout == "rows" else plgpu.Layout.WGMMA
+
+
+def _kernel_body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
+    rows = functools.partial(pl.ds, size=geo.br)
+
+    def body(x_gmem, codes_gmem, scales_gmem, x_buf, c_buf, s_buf, barrier):
+        def load(t, slot):
+            plgpu.copy_gmem_to_smem(x_gmem.at[rows(t * geo.br)], x_buf.at[slot], barrier.at[slot])
+
+        def store(t, buf):
+            plgpu.copy_smem_to_gmem(c_buf.at[buf], codes_gmem.at[rows(t * geo.br)], commit_group=False)
+            if geo.scales_2d:
+                plgpu.copy_smem_to_gmem(s_buf.at[buf], scales_gmem.at[rows(t * geo.br)])
+                return
+            size = min(geo.bm, _SCALE_PIECE if geo.bm % _SCALE_PIECE == 0 else 128)  # bm is a multiple of 128
+            pieces = geo.bm // size
+            for i in range(pieces):
+                plgpu.copy_smem_to_gmem(s_buf.at[buf, pl.ds(i * size, size)],
+                                        scales_gmem.at[pl.ds(t * geo.bm + i * size, size)],
+                                        commit_group=i == pieces - 1)
+
+        def compute_interpreted(slot, buf):  # whole tile, value reshapes (no ref reshapes or layouts there)
+            x = x_buf[slot]
+            w = ((x[:, :, 0].reshape(geo.bm, geo.p), x[:, :, 1].reshape(geo.bm, geo.p)) if geo.split
+                 else x.reshape(geo.bm, geo.p))
+            packed, byte = _encode(geo.fmt, *_lanes(w, geo.split),
+                                   lambda v: lax.broadcast_in_dim(v, (geo.bm, geo.p), (0,)))
+            c_buf[buf] = packed.reshape(c_buf.shape[1:])
+            s_buf[buf] = byte.reshape(s_buf.shape[1:])
+
+        def compute(t, slot, buf):
+            del t
+            if interpret:
+                compute_interpreted(slot, buf)
+                return
+            reg = geo.reg_layout()
+            shape = (geo.chunk, geo.p)
+            xs = x_buf.at[slot].reshape(geo.bm, 2, geo.p) if geo.split else x_buf.at[slot].reshape(geo.bm, geo.p)
+            cs = c_buf.at[buf].reshape(geo.bm, geo.p)
+            ss = s_buf.at[buf].reshape(geo.bm) if geo.scales_2d else s_buf.at[buf]
+
+            def bcast(v):
+                return plgpu.layout_cast(lax.broadcast_in_dim(v, shape, (0,)), reg)
+
+            def one_chunk(i, carry):
+                sl = pl.ds(i * geo.chunk, geo.chunk)
+                w = (tuple(ms.load(xs.at[sl, h], reg) for h in (0, 1)) if geo.split else ms.load(xs.at[sl], reg))
+                packed, byte = _encode(geo.fmt, *_lanes(w, geo.split), bcast)
+                cs.at[sl][...] = packed
+                ss.at[sl][...] = byte
+                return carry
+
+            lax.fori_loop(0, geo.bm // geo.chunk, one_chunk, 0)
+
+        ms.stream(n_tiles=geo.n_tiles, n_ctas=n_ctas, stages=stages, barrier=barrier,
+                  load=load, compute=compute, store=store)
+
+    return body
+
+
+STEP_BYTES = 24 * 1024  # input bytes per TMA tile by default: 3 stages + outputs ~ 90 KB of SMEM per CTA,
+# so two CTAs fit an SM (228 KB)
+
+
+def default_rows_per_step(r: int, n: int, block: int, split: bool, n_ctas: int, step_bytes: int = STEP_BYTES) -> int:
+    """Rows per tile: about ``step_bytes`` of kernel input, fewer when that leaves CTAs idle, rounded so a
+    tile holds a multiple of 128 groups (and at most 256 rows, the TMA box limit)."""
+    g = n // block
+    unit = 128 // math.gcd(128, g)  # rows per 128 groups
+    rows = step_bytes // (n * (4 if split else 2))
+    rows = min(rows, r // n_ctas)  # small inputs: one tile per CTA at least
+    return min(max(unit, rows // unit * unit), 256 // unit * unit)
+
+
+def _to_kernel_input(x, block: int):
+    """[..., N] -> (int32 view for the kernel, split?): bf16 pairs as words (free), else fp32 [evens|odds]."""
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    g, p = x.shape[-1] // block, block // 2
+    if x.dtype == jnp.bfloat16:
+        return lax.bitcast_convert_type(x.reshape(rows, g, p, 2), jnp.int32), False
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32).reshape(rows, g, p, 2)
+    return jnp.swapaxes(bits, -1, -2), True  # [R, G, 2, P]: one XLA transpose
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "rows_per_step", "step_bytes", "chunk", "stages",
+                                             "ctas_per_sm", "layout_name", "no_auto_barriers", "interpret"))
+def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STEP_BYTES, chunk: int = 128,
+         stages: int = 3, ctas_per_sm: int = 2, layout_name: str = "rows", no_auto_barriers: bool = False,
+         interpret: bool = False):
+    """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit.
+
+    Tuning (all static): ``rows_per_step`` rows per TMA tile (rows x groups per row must be a multiple
+    of 128; default: ``default_rows_per_step`` for ``step_bytes`` of input per tile), ``chunk`` groups
+    per register pass at most (the largest divisor of the tile in multiples of 128 for
+    ``layout_name="rows"``, of 64 for ``"wgmma"``), ``stages`` input slots per CTA, ``ctas_per_sm``
+    resident CTAs per SM (sizes the persistent grid), ``no_auto_barriers`` drops the barriers Pallas puts
+    around each SMEM store (the kernel never reads back what it stores; ``stream`` synchronises before
+    every TMA). ``interpret=True`` runs the GPU interpreter (CPU; no register layouts).
+    """
+    block, lead, n = layout.FORMATS[fmt], x.shape[:-1], x.shape[-1]
+    if n % block:
+        raise ValueError(f"fp4_pack: the last axis ({n}) must be a multiple of the group size ({block})")
+    r = math.prod(lead)
+    if r == 0:
+        return layout.empty(lead, n, block, fmt)
+    xin, split = _to_kernel_input(x, block)
+    max_ctas = ctas_per_sm * ms.num_sms()
+    if rows_per_step is None:
+        rows_per_step = default_rows_per_step(r, n, block, split, max_ctas, step_bytes)
+    geo = _Geometry(r, n, fmt, split, rows_per_step, chunk, layout_name)
+    if interpret:
+        geo.pad_outputs()
+    n_ctas = min(geo.n_tiles, max_ctas)
+    scratch = [
+        plgpu.SMEM((stages, *geo.in_block), jnp.int32),
+        plgpu.SMEM((2, *geo.codes_block), jnp.uint8),
+        plgpu.SMEM((2, *geo.scales_block), jnp.uint8),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+    ]
+    out_type = (jax.ShapeDtypeStruct(geo.codes_view, jnp.uint8), jax.ShapeDtypeStruct(geo.scales_view, jnp.uint8))
+    codes, scales = ms.kernel(_kernel_body(geo, interpret, n_ctas, stages), out_type=out_type,
+                              scratch_types=scratch, n_ctas=n_ctas, interpret=interpret,
+                              no_auto_barriers=no_auto_barriers)(xin)
+    codes = codes.reshape(geo.rows_out, geo.g, geo.p)[:r]
+    return layout.join(lead, codes, scales.reshape(geo.rows_out, geo.g)[:r], fmt)

@@ -6,7 +6,8 @@
 compiled step's HLO. Every kernel in the trace names the HLO instruction it ran; the instruction's
 ``op_name`` carries the model's named scopes (``mhc``, ``attention``, ``indexer``, ``compressor``,
 ``indexer_loss``, ``moe``, ``engram``, ``head``, ``optimizer``; backward ops keep the scope of their forward
-op). The innermost scope names the part; fusions without one take the majority of the ops they fuse.
+op). The innermost scope names the part; fusions without one take the majority of the ops they fuse. On GPU,
+kernels replayed from a CUDA graph carry the instruction's name with '.' spelt '_'.
 Prints one JSON line per part (ms per step, share) and one for the total.
 """
 
@@ -57,21 +58,33 @@ def hlo_parts(text: str) -> dict[str, str]:
         if part is None and name in calls:
             votes = collections.Counter(own[i] for i in members.get(calls[name], ()) if own.get(i))
             part = votes.most_common(1)[0][0] if votes else None
-        parts[name] = part or "other"
+        parts[name] = parts[name.replace(".", "_")] = part or "other"  # GPU kernels: '.' spelt '_'
     return parts
 
 
-def kernel_times(trace: dict) -> dict[str, float]:
-    """hlo_op -> summed device time (µs) over the trace's kernel events (GPU streams, else any op events)."""
+def kernel_parts(trace: dict, parts: dict[str, str]) -> tuple[collections.Counter, float, int]:
+    """Device time (µs) per part over the trace's kernel events (GPU streams, else any op events), the time
+    of kernels no part was found for, and the number of distinct kernels.
+
+    A kernel replayed from a CUDA graph has no instruction in ``hlo_op``: its name is the instruction's, or,
+    for a library call (cuBLAS), the event carries the scope path in ``args.name``.
+    """
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
     streams = [e for e in ops if threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
-    times = collections.Counter()
+    times, unmatched, names = collections.Counter(), 0.0, set()
     for e in streams or ops:
-        times[e["args"]["hlo_op"]] += float(e.get("dur", 0.0))
-    return times
+        op = e["args"]["hlo_op"]
+        if op.startswith("command_buffer"):
+            op = e["name"]
+        part = parts.get(op) or part_of(e["args"].get("name", ""))
+        if part is None:
+            unmatched += float(e.get("dur", 0.0))
+        names.add(op)
+        times[part or "other"] += float(e.get("dur", 0.0))
+    return times, unmatched, len(names)
 
 
 def main() -> None:
@@ -83,16 +96,12 @@ def main() -> None:
         parts = hlo_parts(f.read())
     (path,) = glob.glob(os.path.join(args.directory, "plugins", "profile", "*", "perfetto_trace.json.gz"))[-1:]
     with gzip.open(path, "rt") as f:
-        times = kernel_times(json.load(f))
-    per_part = collections.Counter()
-    for op, us in times.items():
-        per_part[parts.get(op, parts.get(op.split(":")[0], "other"))] += us
+        per_part, unmatched, n_kernels = kernel_parts(json.load(f), parts)
     total = sum(per_part.values())
     for part, us in per_part.most_common():
         print(json.dumps({"part": part, "ms_per_step": us / 1e3 / args.steps, "share": us / total}))
-    unmatched = sum(us for op, us in times.items() if op not in parts)
-    print(json.dumps({"part": "total", "ms_per_step": total / 1e3 / args.steps, "kernels": len(times),
-                      "unmatched_share": unmatched / total if total else 0.0}))
+    print(json.dumps({"part": "total", "ms_per_step": total / 1e3 / args.steps, "kernels": n_kernels,
+                      "unattributed_share": unmatched / total if total else 0.0}))
 
 
 if __name__ == "__main__":

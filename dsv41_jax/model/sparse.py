@@ -83,7 +83,7 @@ def sparse_attention(
                       lambda p: jnp.einsum("bcinp,bph->bcinh", p, prefix_kv, preferred_element_type=jnp.float32)))
     if topk is not None:
         if picked is None:
-            picked = jax.vmap(lambda kv_, i: kv_[jnp.maximum(i, 0)])(compressed_kv, topk)  # [B, S, K, H]
+            picked = gather_entries(compressed_kv, jnp.maximum(topk, 0))  # [B, S, K, H]
         pc = _pad_seq(picked, nc * blk).reshape(b, nc, blk, -1, h)
         mask = (_pad_seq(topk, nc * blk, value=-1) >= 0).reshape(b, nc, blk, 1, -1)
         parts.append((_logits("bcinh,bcikh->bcink", qc, pc, h ** -0.5, mask),
@@ -95,6 +95,31 @@ def sparse_attention(
     if topk is None:
         raise ValueError("sparse_attention: return_mass needs compressed entries (topk)")
     return out, _head_mass(parts[-1][0], mx, den, s)
+
+
+@jax.custom_vjp
+def gather_entries(kv: Float[Array, "B T H"], idx: Int[Array, "B S K"]) -> Float[Array, "B S K H"]:
+    """``kv[b, idx[b, s, k]]``; the gradient sums its S·K rows back into T entries in fp32.
+
+    Each entry is picked by up to S queries, so the transpose of the gather is a scatter-add with heavy
+    collisions. Left to autodiff it accumulates in the cache dtype: in bf16 that rounds at every one of
+    thousands of additions, and on the H200 the bf16 scatter-add was half of a training step
+    (BENCHMARKS.md, the train-step split). fp32 accumulation is the exact sum's rounding, done once.
+    """
+    return jax.vmap(lambda kv_, i: kv_[i])(kv, idx)
+
+
+def _gather_fwd(kv, idx):
+    return gather_entries(kv, idx), (idx, kv)  # kv only for its shape and dtype (live anyway: no copy)
+
+
+def _gather_bwd(res, g):
+    idx, kv = res
+    acc = jax.vmap(lambda i, g_: jnp.zeros(kv.shape[1:], jnp.float32).at[i].add(g_.astype(jnp.float32)))(idx, g)
+    return acc.astype(kv.dtype), None
+
+
+gather_entries.defvjp(_gather_fwd, _gather_bwd)
 
 
 def entry_mass(

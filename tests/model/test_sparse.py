@@ -184,3 +184,36 @@ def test_gradients_sparse_equal_dense(rng):
         # with replay, window keys before the start are invisible to every query: zero gradient
         if replay_start:
             assert (np.asarray(gs[1])[:, :replay_start] == 0).all()
+
+
+def test_gather_entries_gradient_sums_in_fp32():
+    """The picked entries' gradient: the same sum as autodiff of a plain gather (fp32), and in bf16 it is
+    the exact sum rounded once, where autodiff's bf16 scatter-add rounds at every collision."""
+    from dsv41_jax.model.sparse import gather_entries
+
+    rng = np.random.default_rng(0)
+    b, t, h, s, k = 2, 16, 8, 64, 12
+    kv = jnp.asarray(rng.normal(size=(b, t, h)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, t, (b, s, k)), jnp.int32)  # each entry picked ~48 times
+    w = jnp.asarray(rng.normal(size=(b, s, k, h)), jnp.float32)
+
+    def loss(gather, kv):
+        return jnp.sum(gather(kv, idx).astype(jnp.float32) * w)
+
+    plain = lambda kv_, i: jax.vmap(lambda a, j: a[j])(kv_, i)  # noqa: E731
+    got = jax.grad(lambda x: loss(gather_entries, x))(kv)
+    want = jax.grad(lambda x: loss(plain, x))(kv)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+
+    exact = np.zeros((b, t, h))
+    np.add.at(exact, (np.arange(b)[:, None, None], np.asarray(idx)), np.asarray(w, np.float64))
+    np.testing.assert_allclose(np.asarray(got), exact, rtol=1e-5, atol=1e-5)
+    kb, wb = kv.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    exact_b = np.zeros((b, t, h))
+    np.add.at(exact_b, (np.arange(b)[:, None, None], np.asarray(idx)), np.asarray(wb.astype(jnp.float32), np.float64))
+    lb = lambda g, x: jnp.sum(g(x, idx).astype(jnp.float32) * wb.astype(jnp.float32))  # noqa: E731
+    got_b = np.asarray(jax.grad(lambda x: lb(gather_entries, x))(kb).astype(jnp.float32), np.float64)
+    want_b = np.asarray(jax.grad(lambda x: lb(plain, x))(kb).astype(jnp.float32), np.float64)
+    once = np.asarray(jnp.asarray(exact_b, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(got_b, once)  # rounded once from the exact sum
+    assert np.abs(want_b - exact_b).max() > np.abs(got_b - exact_b).max()

@@ -25,7 +25,9 @@ Pairs without lane shuffles (element 2i goes in the low nibble of byte i):
 TMA boxes need an innermost extent of >= 16 bytes and <= 256 elements per dimension, which shapes the
 GMEM views: input [R, G, P] words (or [R, G, 2, P]), codes [R, N/2] bytes (or [R, N/512, 256]), scales
 [R, G] bytes when G is a multiple of 16, else flat [R * G] bytes stored in 256-byte pieces. The last
-row tile overhangs R: TMA zero-fills its loads and drops its stores.
+row tile overhangs R: TMA zero-fills its loads and drops its stores, except for the flat scale view, which
+is padded to whole tiles (an overhanging 1-D piece wrote wrong scale bytes on the H200; the padded layout
+has not yet run there).
 """
 
 from __future__ import annotations
@@ -103,7 +105,6 @@ class _Geometry:
         half = n // 2
         self.codes_view = (r, half) if half <= 256 else (r, half // 256, 256)
         self.scales_2d = self.g % 16 == 0
-        self.scales_view = (r, self.g) if self.scales_2d else (r * self.g,)
         problems = []
         if lay not in LAYOUTS:
             problems.append(f"layout must be one of {LAYOUTS}")
@@ -122,11 +123,15 @@ class _Geometry:
                              f"layout={lay}): " + "; ".join(problems))
         self.n_tiles = -(-r // self.br)
         self.rows_out = r
+        # the flat scale view is written in 1-D pieces: on the H200 a piece that overhangs the array's end
+        # wrote wrong bytes (3 and 4099 MXFP4 rows, 2026-12-01), so that view is padded to whole tiles
+        self.scale_rows = r if self.scales_2d else self.n_tiles * self.br
+        self.scales_view = (r, self.g) if self.scales_2d else (self.scale_rows * self.g,)
 
     def pad_outputs(self):
         """Interpret mode drops a partially out-of-bounds store where TMA clips it: interpreted outputs are
         padded to whole tiles (and sliced by the caller)."""
-        self.rows_out = self.n_tiles * self.br
+        self.rows_out = self.scale_rows = self.n_tiles * self.br
         self.codes_view = (self.rows_out, *self.codes_view[1:])
         self.scales_view = (self.rows_out, self.g) if self.scales_2d else (self.rows_out * self.g,)
 
@@ -268,4 +273,4 @@ def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STE
                               scratch_types=scratch, n_ctas=n_ctas, interpret=interpret,
                               no_auto_barriers=no_auto_barriers)(xin)
     codes = codes.reshape(geo.rows_out, geo.g, geo.p)[:r]
-    return layout.join(lead, codes, scales.reshape(geo.rows_out, geo.g)[:r], fmt)
+    return layout.join(lead, codes, scales.reshape(geo.scale_rows, geo.g)[:r], fmt)

@@ -29,6 +29,16 @@ def resolve_config(spec: str) -> C.ModelConfig:
     raise C.ConfigError(f"--config {spec!r}: not a preset ({', '.join(C.PRESETS)}), YAML file or HF directory")
 
 
+_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "float32": "float32", "bfloat16": "bfloat16"}
+
+
+def _precision(text: str) -> str:
+    """``fp32`` / ``bf16`` (or the dtype names) -> the activation dtype name."""
+    if text not in _PRECISIONS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one of fp32, bf16 (or float32, bfloat16)")
+    return _PRECISIONS[text]
+
+
 def _cmd_topology(args) -> int:
     from dsv41_jax.topology import describe
 
@@ -238,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     ids.add_argument("--ids", help="npy of int token ids [B, S]: --out gets teacher-forced fp32 logits [B, S, V]")
     p.add_argument("--reference", help="npz of reference outputs under the same names")
     p.add_argument("--out", help="write our outputs here (npz)")
-    p.add_argument("--dtype", "--precision", dest="dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="activation precision (fp32 = the exact reference semantics)")
+    p.add_argument("--dtype", "--precision", dest="dtype", default="float32", type=_precision,
+                   help="activation precision: fp32 (the exact reference semantics) or bf16")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_cmd_score)
     p = sub.add_parser("convert", help="convert a release-format HF checkpoint into an Orbax checkpoint")
@@ -274,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-mode", default="exact", choices=["exact", "ced"])
     p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", "--precision", dest="dtype", default="bfloat16", type=_precision,
+                   help="activation precision: bf16 or fp32")
     p.add_argument("--show-ids", action="store_true", help="also print each row's generated token ids")
     p.set_defaults(fn=_cmd_sample)
     p = sub.add_parser("train", help="pre-train from a YAML run config (model, optim, mesh, data, checkpoint)")

@@ -23,10 +23,16 @@ def _check_golden(golden_dir):
 
 
 @pytest.fixture(scope="module")
-def scored(golden_dir, tmp_path_factory):
+def converted(golden_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("golden")
     assert main(["convert", "--hf-dir", str(golden_dir / "tiny_hf"), "--out", str(root / "ckpt"), "--weights",
                  "fp32", "--quiet"]) == 0
+    return root
+
+
+@pytest.fixture(scope="module")
+def scored(converted, golden_dir):
+    root = converted
     assert main(["score", "--ckpt", str(root / "ckpt"), "--inputs", str(golden_dir / "inputs.npz"),
                  "--out", str(root / "ours.npz"), "--dtype", "float32"]) == 0
     return dict(np.load(root / "ours.npz")), dict(np.load(golden_dir / "ref_fp32.npz"))
@@ -48,3 +54,21 @@ def test_every_discrete_decision_agrees(scored, golden_dir):
     kinds = {k.split("_", 1)[1] for k in discrete}
     assert {"engram_row_ids", "moe_topk", "candidates_6", "topk_2", "topk_10"} <= kinds, sorted(discrete)
     assert all(v == 1.0 for v in discrete.values()), discrete
+
+
+def test_score_ids_writes_the_reference_logits(scored, converted, golden_dir, tmp_path):
+    """`dsv41 score --checkpoint DIR --ids IDS.npy --out LOGITS.npy --precision fp32`: float32 [B, S, V]
+    teacher-forced logits, the same as the golden-named run's and within the recipe of the reference's."""
+    ours, ref = scored
+    ids = np.load(golden_dir / "inputs.npz")["batch2_ids"].astype(np.int32)
+    np.save(tmp_path / "ids.npy", ids)
+    ckpt = converted / "ckpt"
+    assert main(["score", "--checkpoint", str(ckpt), "--ids", str(tmp_path / "ids.npy"), "--out",
+                 str(tmp_path / "logits.npy"), "--precision", "fp32"]) == 0
+    logits = np.load(tmp_path / "logits.npy")
+    assert logits.dtype == np.float32 and logits.shape == (*ids.shape, ref["batch2_prefill_logits"].shape[-1])
+    np.testing.assert_array_equal(logits, ours["batch2_prefill_logits"])
+    err = np.abs(logits - ref["batch2_prefill_logits"])
+    assert np.median(err) < 2e-6 and (logits.argmax(-1) == ref["batch2_prefill_logits"].argmax(-1)).all()
+    with pytest.raises(SystemExit):
+        main(["score", "--checkpoint", str(ckpt), "--ids", str(tmp_path / "ids.npy"), "--precision", "fp16"])

@@ -11,6 +11,7 @@ from dsv41_jax import quant
 from dsv41_jax.config import AttentionConfig
 from dsv41_jax.model.layers import Linear, RMSNorm
 from dsv41_jax.model.rope import apply_rope
+from dsv41_jax.sharding import batch_local
 
 
 class Indexer(nnx.Module):
@@ -87,7 +88,7 @@ def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B 
     newest = (n_visible - 1) // block_size
     pinned = (jnp.arange(nb) == newest[..., None]) & (n_visible[..., None] > 0)
     block_max = jnp.where(pinned, jnp.inf, block_max)
-    vals, idx = jax.lax.top_k(block_max, min(n_blocks, nb))
+    vals, idx = batch_local(lambda v: jax.lax.top_k(v, min(n_blocks, nb)), block_max)
     ids = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)  # dropped blocks sort last
     return jnp.where(ids < nb, ids, -1).astype(jnp.int32)
 
@@ -117,7 +118,7 @@ def select_topk(scores: Float[Array, "B S T"], k: int, n_visible: Int[Array, "B 
     ``lo`` (default 0) is the first entry of the query's document: another document's entry is never kept,
     even as a −∞ filler.
     """
-    _, idx = jax.lax.top_k(scores, min(k, scores.shape[-1]))
+    idx = batch_local(lambda v: jax.lax.top_k(v, min(k, v.shape[-1]))[1], scores)
     idx = jnp.sort(idx, axis=-1)
     keep = idx < n_visible[..., None]
     if lo is not None:

@@ -27,9 +27,9 @@ from dsv41_jax.model.indexer_loss import IndexerStats
 from dsv41_jax.model.moe import RouterBias, Routing, expert_parallel
 from dsv41_jax.model.transformer import Transformer
 from dsv41_jax.optim import OptimConfig, balance_loss, lr_at, optimizer, router_bias_update
-from dsv41_jax.sharding import named_shardings, state_partition_specs
+from dsv41_jax.sharding import BATCH_AXES, activation_sharding, named_shardings, state_partition_specs
 
-BATCH = ("data", "fsdp", "expert")  # mesh axes the batch is split over (experts see the tokens of their group)
+BATCH = BATCH_AXES  # mesh axes the batch is split over (experts see the tokens of their group)
 
 
 class TrainState(NamedTuple):
@@ -65,8 +65,9 @@ def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.Grad
                     remat: str = "none", mesh: jax.sharding.Mesh | None = None):
     """The pure step ``(TrainState, batch) -> (TrainState, metrics)``; ``batch`` leaves are [A, b, ...].
 
-    With a ``mesh`` whose ``expert`` axis has several devices, MoE layers run expert-parallel
-    (:func:`~dsv41_jax.model.moe.routed_experts_ep`).
+    With a ``mesh``, activations and the CSA2 shared state keep their batch split over ``BATCH`` at every block
+    boundary (:func:`~dsv41_jax.sharding.constrain_batch`), and if its ``expert`` axis has several devices,
+    MoE layers run expert-parallel (:func:`~dsv41_jax.model.moe.routed_experts_ep`).
 
     ``remat`` (none | block | dots) rematerialises each transformer block in the backward pass.
     """
@@ -88,7 +89,7 @@ def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.Grad
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        with expert_parallel(mesh):
+        with expert_parallel(mesh), activation_sharding(mesh):
             return _step(state, batch)
 
     def _step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:

@@ -103,14 +103,22 @@ class Progress:
         done = None
         while self.pending and _ready(self.pending[0][1]):
             done = self.pending.popleft()
-        if done is None:
-            return
+        if done is not None:
+            self._finished(*done)
+
+    def synced(self, step: int, loss: float) -> None:
+        """``step`` is known to have finished (its metrics were fetched): show it now."""
+        while self.pending and self.pending[0][0] <= step:
+            self.pending.popleft()
+        self._finished(step, loss, force=True)
+
+    def _finished(self, step: int, loss, force: bool = False) -> None:
         now = self.clock()
         if self.first is None:
-            self.first = (done[0], now)
-        if now - self.drawn >= 0.1 or done[0] == self.total:
+            self.first = (step, now)
+        if force or now - self.drawn >= 0.1 or step == self.total:  # at most ten redraws a second
             self.drawn = now
-            self._draw(self.line(done[0], float(done[1]), now))
+            self._draw(self.line(step, float(loss), now))
 
     def line(self, step: int, loss: float, now: float) -> str:
         frac = step / max(self.total, 1)
@@ -179,6 +187,8 @@ class RunReport:
         """One logged step of a run to step ``end``: ``m`` holds floats and ``step``."""
         if not self.main:
             return
+        if self.progress is not None:
+            self.progress.synced(m["step"], m["loss"])
         self.sink.write(json.dumps(m) + "\n")
         self.sink.flush()
         if self.writer is not None:

@@ -143,3 +143,13 @@ def test_progress_is_off_when_not_printing_to_a_terminal(tmp_path):
     rep = R.RunReport(tmp_path / "m.jsonl", None, total=4, tokens_per_step=64, log=print)
     assert rep.progress is None  # pytest captures stdout: not a terminal
     rep.close()
+
+
+def test_a_logged_step_shows_in_the_progress_line_before_the_log_line(tmp_path):
+    term = Terminal()
+    rep = R.RunReport(tmp_path / "m.jsonl", None, total=2, tokens_per_step=64, log=print, progress=True)
+    rep.progress.stream = term
+    rep.dispatched(2, {"loss": Loss(4.5)})  # not finished yet ...
+    rep.record(dict(METRICS[1]), end=2)  # ... but fetched for the log
+    rep.close()
+    assert term.screen() == [R.format_line(METRICS[1], 2), "step 2/2 [####################] 100%  loss 4.5000", ""]

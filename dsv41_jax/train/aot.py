@@ -21,7 +21,7 @@ import numpy as np
 
 from dsv41_jax.config import ConfigError, ModelConfig
 from dsv41_jax.optim import OptimConfig, optimizer
-from dsv41_jax.train.step import TrainState, batch_sharding, make_train_step, split_model, state_shardings
+from dsv41_jax.train.step import TrainState, batch_sharding, jit_train_step, split_model, state_shardings
 
 
 def use_fake_cpus(n: int) -> None:
@@ -63,9 +63,7 @@ def abstract_step(model_cfg: ModelConfig, ocfg: OptimConfig, mesh, batch: int, s
     leaves, treedef = jax.tree.flatten(state)  # the sharding tree has no Variable nodes: match leaf by leaf
     state = treedef.unflatten([jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(
         leaves, jax.tree.leaves(shardings), strict=True)])
-    step = jax.jit(make_train_step(graphdef, rest, model_cfg, ocfg, tx, remat, mesh),
-                   in_shardings=(shardings, batch_sharding(mesh)), out_shardings=(shardings, None),
-                   donate_argnums=0)
+    step = jit_train_step(graphdef, rest, model_cfg, ocfg, tx, shardings, mesh, remat)
     return step, state, abstract_batch(model_cfg, grad_accum, batch, seq, mesh)
 
 

@@ -187,7 +187,11 @@ def init_state(model_cfg, ocfg: OptimConfig, mesh, seed: int, remat: str = "none
     shardings, (graphdef, rest) = state_shardings(model, tx, mesh)
     _, params, biases, _ = split_model(model)
     state = jax.device_put(TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params)), shardings)
-    step = jax.jit(make_train_step(graphdef, rest, model_cfg, ocfg, tx, remat, mesh),
+    return state, jit_train_step(graphdef, rest, model_cfg, ocfg, tx, shardings, mesh, remat), shardings
+
+
+def jit_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx, shardings: TrainState, mesh, remat: str = "none"):
+    """The step jitted with the state's shardings in and out (the state is donated) and the batch's."""
+    return jax.jit(make_train_step(graphdef, rest, model_cfg, ocfg, tx, remat, mesh),
                    in_shardings=(shardings, batch_sharding(mesh)), out_shardings=(shardings, None),
                    donate_argnums=0)
-    return state, step, shardings

@@ -113,7 +113,7 @@ def format_aot(r: AotReport, p=None) -> str:
     """The report, next to the preflight ``p`` (:class:`~dsv41_jax.train.preflight.Preflight`) if given."""
     gib = 2.0 ** 30
     size = lambda b: f"{b / gib:,.3f} GiB" if b >= gib / 4 else f"{b / 2 ** 20:,.3f} MiB"
-    platform = f"{jax.device_count()} {jax.devices()[0].platform} devices"
+    platform = f"{jax.device_count()} {jax.devices()[0].platform} device(s)"
     lines = [f"AOT train step for {platform}: mesh {r.mesh}, {r.layers} layers; lowered in {r.lower_s:.1f} s"
              + (f", compiled in {r.compile_s:.1f} s" if r.compile_s is not None else ", not compiled")]
     state = "  per device, exact from the shardings: parameters + router biases + optimizer state + step " + \
@@ -131,6 +131,12 @@ def format_aot(r: AotReport, p=None) -> str:
                   f"  temporaries are XLA:{jax.devices()[0].platform.upper()}'s buffer assignment (its fusion and "
                   "scheduling, not a GPU's)" + (f"; the preflight estimates activations at ~{p.activations_gb:,.2f} "
                                                 "GiB (H200-calibrated)" if p is not None else "")]
+    if r.hlo is not None:
+        from dsv41_jax.train.hlo import largest_arrays
+
+        lines.append("  largest arrays the compiled program materialises (per device, outside fusions):")
+        lines += [f"    {size(a.bytes):>14s}  {a.type} ×{a.count}  {a.op} at {a.source or '?'}"
+                  for a in largest_arrays(r.hlo, 3)]
     return "\n".join(lines)
 
 

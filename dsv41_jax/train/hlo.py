@@ -131,6 +131,40 @@ def _short(arrays: tuple[str, ...]) -> str:
     return ", ".join(parts)
 
 
+class Array(NamedTuple):
+    type: str  # e.g. "f32[196608,5120]"
+    bytes: int
+    op: str  # the HLO opcode that produces it
+    source: str
+    count: int
+
+
+_SKIP = ("parameter", "bitcast", "get-tuple-element", "tuple", "constant", "copy-start", "copy-done")
+
+
+def largest_arrays(hlo_text: str, n: int = 5) -> list[Array]:
+    """The ``n`` largest arrays the program materialises (outside fusion bodies), one row per type and source.
+
+    A hint at what dominates XLA's temporary bytes, not a liveness analysis: buffers that are never live at the
+    same time are counted each time, and tuple-shaped results (combined collectives) are left out.
+    """
+    lines = [re.sub(r"/\*.*?\*/", "", line) for line in hlo_text.splitlines()]
+    tables = _sections(lines)
+    seen: dict[tuple, list] = {}
+    fused = False
+    for line in lines:
+        if not line.startswith(" "):  # a computation's header: skip what runs inside fusions
+            fused = bool(re.match(r"^%?(fused|wrapped)", line))
+            continue
+        m = re.match(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*([a-z][a-z0-9]*\[[0-9,]*\])\S*\s+([\w\-]+)\(", line)
+        if fused or m is None or m.group(2) in _SKIP or m.group(1).split("[")[0] not in _BITS:
+            continue
+        key = (m.group(1), m.group(2), _source(line, tables))
+        seen.setdefault(key, [0])[0] += 1
+    rows = [Array(t, array_bytes(t), op, src, c[0]) for (t, op, src), c in seen.items()]
+    return sorted(rows, key=lambda r: -r.bytes)[:n]
+
+
 def format_collectives(rows: list[Collective]) -> str:
     """A table: kind, group, count, bytes per device, operand → result types."""
     if not rows:

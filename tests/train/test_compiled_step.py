@@ -146,3 +146,17 @@ def test_collectives_are_read_exactly_from_hlo_text():
     assert (rows["reduce-scatter"].bytes, rows["reduce-scatter"].group) == (64, 2)  # the mesh form: axis_1 = 2
     assert rows["all-to-all"].group == 4 and rows["all-to-all"].operands == ()  # {} = every device; %y unknown
     assert rows["collective-permute"].group == 2
+
+
+def test_largest_arrays_skip_fusion_bodies_and_group_repeats():
+    from dsv41_jax.train.hlo import largest_arrays
+
+    hlo = HLO + """
+%fused_computation.7 (p: f32[2,16]) -> f32[64,16] {
+  %p = f32[2,16]{1,0} parameter(0)
+  ROOT %b = f32[64,16]{1,0} broadcast(%p), dimensions={0,1}
+}
+"""
+    rows = largest_arrays(hlo, 2)
+    assert [(r.type, r.bytes, r.op, r.count) for r in rows] == [("f32[8,16]", 512, "all-gather", 2),
+                                                                 ("f32[2,16]", 128, "collective-permute", 1)]

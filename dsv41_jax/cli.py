@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collectives", action="store_true", help="compile the sharded step from shapes alone and print "
                    "its collectives (kind, types, bytes, group, where traced), then exit")
     p.add_argument("--devices", type=int, help="with --preflight / --aot / --collectives: plan for this many devices "
-                   "(default: present; --aot and --collectives use fake CPU devices)")
+                   "(default: those present; for --aot / --collectives a count given here is made of fake CPU "
+                   "devices)")
     p.set_defaults(fn=_cmd_train)
     p = sub.add_parser("eval-served", help="gap between the exact forward and the served path (FP4 cache, CED, "
                        "bounded replay) on held-out prompt/response jsonl")

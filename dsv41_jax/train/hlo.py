@@ -82,8 +82,8 @@ def _sections(lines: list[str]) -> dict[str, dict[int, str]]:
 def _source(attrs: str, tables: dict[str, dict[int, str]]) -> str:
     """``file:line (op)``: the innermost traced line (JAX records only that one by default) and the op name."""
     op = re.search(r'op_name="([^"]*)"', attrs)
-    op = op.group(1).split(":")[0] if op else ""  # a combined op lists every part: keep the first
-    op = re.sub(r"^jit\([^)]*\)/|(while/body/|closed_call/|vmap\(\)/)", "", op)
+    op = re.sub(r"^jit\([^)]*\)/|while/body/|closed_call/|vmap\(\)/", "", op.group(1)) if op else ""
+    op = op.lstrip("(").split(":")[0]  # a combined op is named "(a:b:...)": keep the first part
     frame = re.search(r"stack_frame_id=(\d+)", attrs)
     frames, locs, files = (tables.get(k, {}) for k in ("StackFrames", "FileLocations", "FileNames"))
     loc_id = re.search(r"file_location_id=(\d+)", frames.get(int(frame.group(1)), "")) if frame else None

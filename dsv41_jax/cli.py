@@ -203,6 +203,12 @@ def _cmd_train(args) -> int:
         print(format_preflight(preflight(cfg.model, cfg.optim, shape, cfg.data.batch_size, cfg.data.seq_len,
                                          cfg.remat, cfg.grad_accum)))
         return 0
+    if args.aot or args.collectives:  # shapes only: lowered (and compiled) for the mesh, nothing allocated
+        from dsv41_jax.train.aot import aot_train_step
+
+        aot_train_step(cfg, args.devices, args.config, compile=not args.no_compile,
+                       show_collectives=args.collectives)
+        return 0
     distributed.initialize(cfg.distributed)  # before anything touches a device
     from dsv41_jax.train.loop import train
 
@@ -294,7 +300,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after", type=int, help="stop after this many steps of this invocation (resumable)")
     p.add_argument("--preflight", action="store_true", help="print the mesh, per-device memory and model FLOPs "
                    "from shapes alone, then exit (nothing is allocated)")
-    p.add_argument("--devices", type=int, help="with --preflight: plan for this many devices (default: present)")
+    p.add_argument("--aot", action="store_true", help="also lower and compile the sharded train step from shapes "
+                   "alone and print XLA's per-device memory next to the preflight, then exit")
+    p.add_argument("--no-compile", action="store_true", help="with --aot: lower only (time it; no memory analysis)")
+    p.add_argument("--collectives", action="store_true", help="compile the sharded step from shapes alone and print "
+                   "its collectives (kind, types, bytes, group, where traced), then exit")
+    p.add_argument("--devices", type=int, help="with --preflight / --aot / --collectives: plan for this many devices "
+                   "(default: those present; for --aot / --collectives a count given here is made of fake CPU "
+                   "devices)")
     p.set_defaults(fn=_cmd_train)
     p = sub.add_parser("eval-served", help="gap between the exact forward and the served path (FP4 cache, CED, "
                        "bounded replay) on held-out prompt/response jsonl")

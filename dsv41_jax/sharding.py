@@ -4,18 +4,26 @@ Modules create parameters through :func:`param` with a *role*; the role's logica
 ``PARAM_AXES``. A mesh shards the model by ``LOGICAL_RULES`` (logical axis → mesh axis) without touching
 model code. Mesh axes: ``data``, ``fsdp``, ``expert``, ``tensor``.
 
+Activations are pinned at block boundaries by :func:`constrain_batch` (batch over ``BATCH_AXES``, the rest
+whole) while a traced function runs under :func:`activation_sharding`; without that context they are left
+to the compiler, so the model runs unchanged on one device and in the engine.
+
 Dimension glossary (used in einsum strings, shape annotations and names here): B batch, S/T query/key
 length, D model, N heads, H head dim, E experts, K top-k, C compressed entries, M mHC streams, V vocab.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+
+BATCH_AXES = ("data", "fsdp", "expert")  # mesh axes that split the batch (experts see the tokens of their group)
 
 # role -> logical axes of the parameter, in the checkpoint's [out, in] layout
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
@@ -103,6 +111,62 @@ def state_partition_specs(state: nnx.State, rules=None, mesh: jax.sharding.Mesh 
 def named_shardings(mesh: jax.sharding.Mesh, specs):
     """A tree of PartitionSpecs as NamedShardings on ``mesh`` (for ``device_put`` / ``jit`` shardings)."""
     return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+_ACTIVATION_MESH: contextvars.ContextVar = contextvars.ContextVar("dsv41_activation_mesh", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: jax.sharding.Mesh | None):
+    """Trace :func:`constrain_batch` as real sharding constraints on ``mesh`` (``None``: leave them out).
+
+    Read at trace time: wrap the body of the jitted function (the train step), not the call of a compiled one.
+    """
+    if mesh is not None and (missing := [a for a in BATCH_AXES if a not in mesh.axis_names]):
+        raise ValueError(f"activation_sharding: the mesh {dict(mesh.shape)} has no axis {missing}; activations "
+                         f"split their batch over {BATCH_AXES} (build the mesh with train.step.build_mesh)")
+    token = _ACTIVATION_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _ACTIVATION_MESH.reset(token)
+
+
+def batch_spec(mesh, batch: int, ndim: int) -> P:
+    """Leading dimension over the longest leading run of ``BATCH_AXES`` whose size divides ``batch``."""
+    axes: tuple[str, ...] = BATCH_AXES
+    while axes and batch % math.prod(mesh.shape[a] for a in axes):
+        axes = axes[:-1]
+    return P(axes or None, *(None,) * (ndim - 1))
+
+
+def constrain_batch(tree):
+    """Every array of ``tree`` (leading dimension = batch) split over the batch axes and whole otherwise.
+
+    Under :func:`activation_sharding` only; elsewhere the identity. ``None`` leaves stay ``None``.
+    """
+    mesh = _ACTIVATION_MESH.get()
+    if mesh is None:
+        return tree
+    one = lambda x: jax.lax.with_sharding_constraint(
+        x, jax.sharding.NamedSharding(mesh, batch_spec(mesh, x.shape[0], x.ndim)))
+    return jax.tree.map(one, tree)
+
+
+def batch_local(fn, *args):
+    """``fn(*args)`` run on each device's rows of the batch (``shard_map`` over the batch axes).
+
+    For row-wise ops that XLA's partitioner would otherwise run on the gathered batch: ``lax.top_k`` is
+    partitioned only along its sorted dimension, so a batch-split input is all-gathered onto every device.
+    Every argument and result has the batch as its leading dimension. Under :func:`activation_sharding` only;
+    elsewhere ``fn(*args)``.
+    """
+    mesh = _ACTIVATION_MESH.get()
+    if mesh is None:
+        return fn(*args)
+    spec = lambda x: batch_spec(mesh, x.shape[0], x.ndim)
+    return jax.shard_map(fn, mesh=mesh, in_specs=jax.tree.map(spec, args),
+                         out_specs=jax.tree.map(spec, jax.eval_shape(fn, *args)), check_vma=False)(*args)
 
 
 def dtype_of(name: str) -> jnp.dtype:

@@ -11,6 +11,7 @@ from dsv41_jax import quant
 from dsv41_jax.config import AttentionConfig
 from dsv41_jax.model.layers import Linear, RMSNorm
 from dsv41_jax.model.rope import apply_rope
+from dsv41_jax.sharding import batch_local
 from pallas_kernels.block_max import api as block_max_api
 
 
@@ -82,7 +83,9 @@ def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B 
     the top ``n_blocks`` blocks whose score is > −∞ are kept. Ties go to the lower block index. The pass
     over the scores is the ``block_max`` kernel for ``backend="pallas"`` (``attention.kernel_backend``).
     """
-    return block_max_api.candidate_block_ids(scores, n_visible, block_size, n_blocks, backend=backend)
+    # per device on its own rows: top_k (and a pallas_call) would otherwise run on the gathered batch
+    return batch_local(lambda sc, n: block_max_api.candidate_block_ids(sc, n, block_size, n_blocks, backend=backend),
+                       scores, n_visible)
 
 
 def block_mask(ids: Int[Array, "B S K"], n_blocks_total: int) -> Bool[Array, "B S NB"]:
@@ -110,7 +113,7 @@ def select_topk(scores: Float[Array, "B S T"], k: int, n_visible: Int[Array, "B 
     ``lo`` (default 0) is the first entry of the query's document: another document's entry is never kept,
     even as a −∞ filler.
     """
-    _, idx = jax.lax.top_k(scores, min(k, scores.shape[-1]))
+    idx = batch_local(lambda v: jax.lax.top_k(v, min(k, v.shape[-1]))[1], scores)
     idx = jnp.sort(idx, axis=-1)
     keep = idx < n_visible[..., None]
     if lo is not None:

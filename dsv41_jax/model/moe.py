@@ -19,7 +19,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dsv41_jax import quant
 from dsv41_jax.config import MoEConfig
 from dsv41_jax.model.layers import Linear, normal
-from dsv41_jax.sharding import PARAM_AXES, param
+from dsv41_jax.sharding import BATCH_AXES, PARAM_AXES, batch_local, param
 
 
 class RouterBias(nnx.Variable):
@@ -47,7 +47,8 @@ class Gate(nnx.Module):
         scores = jnp.sqrt(jax.nn.softplus(logits))
         bias = self.bias[...] if is_image is None else jnp.where(is_image[..., None], self.bias_vl[...],
                                                                  self.bias[...])
-        _, experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias), self.k)  # bias steers selection only
+        # bias steers selection only; top-k per row on each device's rows (sharding.batch_local)
+        experts = batch_local(lambda v: jax.lax.top_k(v, self.k)[1], scores + jax.lax.stop_gradient(bias))
         weights = jnp.take_along_axis(scores, experts, axis=-1)
         if cfg.norm_topk_prob and self.k > 1:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)  # literal 1e-20 (spec §5.1)
@@ -169,7 +170,7 @@ def _local_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: 
 # expert parallelism
 
 _EP_MESH: contextvars.ContextVar = contextvars.ContextVar("dsv41_expert_parallel_mesh", default=None)
-TOKEN_AXES = ("data", "fsdp", "expert")  # mesh axes that may split the tokens entering an MoE layer
+TOKEN_AXES = BATCH_AXES  # mesh axes that may split the tokens entering an MoE layer
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from dsv41_jax.model.indexer_loss import TARGETS, IndexerStats
 from dsv41_jax.model.layers import RMSNorm, normal
 from dsv41_jax.model.mhc import collapse, expand, hc_mixes, hc_params
 from dsv41_jax.model.moe import MoE, Routing
-from dsv41_jax.sharding import param
+from dsv41_jax.sharding import constrain_batch, param
 from dsv41_jax.topology import LayerSpec, layer_spec
 
 
@@ -132,6 +132,7 @@ class Transformer(nnx.Module):
         m = cfg.mhc.hc_mult
         x = jnp.broadcast_to(h.astype(cfg.dtype)[:, :, None, :], (b, s, m, cfg.dim))
         pre = jnp.broadcast_to(jax.nn.one_hot(0, m, dtype=jnp.float32), (b, s, m))  # first site selects stream 0
+        x, pre = constrain_batch((x, pre))
         shared = Shared()
         routing, streams, pres, shareds, targets, stats = [], [], [], [], [], []
         for i, block in enumerate(self.layers):
@@ -141,6 +142,9 @@ class Transformer(nnx.Module):
             if i in cfg.dspark.target_layer_ids:
                 targets.append(x.astype(jnp.float32).mean(axis=2).astype(x.dtype))
             x, pre, shared, r = run_block(block, x, pre, shared, is_image, docs)
+            # block boundary: streams and the CSA2 state a later layer reads (main KV, index keys, top-k,
+            # candidates) stay split over the batch, so sharing never gathers the batch onto one device
+            x, pre, shared = constrain_batch((x, pre, shared))
             if shared.indexer is not None:
                 stats.append(shared.indexer)
                 shared = shared._replace(indexer=None)

@@ -95,6 +95,9 @@ class CheckpointConfig:
 class LoggingConfig:
     every: int = 1
     jsonl: str | None = None  # default: <checkpoint.dir>/metrics.jsonl
+    # TensorBoard event files (the jsonl's scalars) if tensorboardX, torch or tensorflow is installed:
+    # `auto` = <checkpoint.dir>/tensorboard, a directory, or null for none
+    tensorboard: str | None = "auto"
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,11 @@ class TrainConfig:
     @property
     def metrics_path(self) -> Path:
         return Path(self.logging.jsonl or Path(self.checkpoint.dir) / "metrics.jsonl")
+
+    @property
+    def tensorboard_dir(self) -> Path | None:
+        tb = self.logging.tensorboard
+        return None if tb is None else Path(self.checkpoint.dir) / "tensorboard" if tb == "auto" else Path(tb)
 
 
 _SECTIONS = {"mesh": MeshConfig, "data": DataConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,

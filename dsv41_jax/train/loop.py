@@ -6,9 +6,7 @@ from it, so an interrupted run continues to the same losses as an uninterrupted 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +21,7 @@ from dsv41_jax.data.tokenizer import engram_consistent, load_or_train
 from dsv41_jax.train.checkpoint import RunCheckpointer
 from dsv41_jax.train.config import TrainConfig
 from dsv41_jax.train.preflight import check_fits, device_limit_gb, format_preflight, peak_flops, preflight
+from dsv41_jax.train.report import RunReport
 from dsv41_jax.train.step import batch_sharding, build_mesh, init_state
 
 
@@ -107,49 +106,40 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
 
 
 def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None = None,
-          log: Callable[[str], None] = print) -> list[dict]:
-    """Run to ``cfg.steps`` (or ``stop_after`` more steps); returns the logged metrics."""
+          log: Callable[[str], None] = print, progress: bool | None = None) -> list[dict]:
+    """Run to ``cfg.steps`` (or ``stop_after`` more steps); returns the logged metrics.
+
+    Metrics go to the jsonl file, TensorBoard and the console (:mod:`dsv41_jax.train.report`); ``progress``
+    (default: when printing to a terminal) redraws a progress line between the logged ones.
+    """
     run = setup(cfg, source, log)
     main = jax.process_index() == 0
-    log = log if main else _quiet
     history: list[dict] = []
     start = int(run.state.step)
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.grad_accum
     peak = peak_flops()  # dense bf16 peak of one device, where known (MFU)
+    report = RunReport(cfg.metrics_path, cfg.tensorboard_dir, end, tokens_per_step, main=main, log=log,
+                       progress=progress)
     tick = time.perf_counter()
-    if main:
-        cfg.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    with cfg.metrics_path.open("a") if main else contextlib.nullcontext() as sink:
-        for step in range(start + 1, end + 1):
-            run.state, metrics = run.step_fn(run.state, run.next_batch())
-            if step % cfg.logging.every == 0 or step == end:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                now = time.perf_counter()
-                done = step - (history[-1]["step"] if history else start)
-                m |= {"step": step, "step_s": (now - tick) / done,
-                      "tokens_per_s": tokens_per_step * done / (now - tick)}
-                if peak:
-                    m["mfu"] = m["tokens_per_s"] * run.flops_per_token / (peak * jax.device_count())
-                tick = now
-                history.append(m)
-                if main:
-                    sink.write(json.dumps(m) + "\n")
-                    sink.flush()
-                    log(f"step {step:5d}  loss {m['loss']:.4f}  ce {m['ce']:.4f}  bal {m['balance']:.2e}  "
-                        f"|g| {m['grad_norm']:.3f}  lr {m['lr']:.2e}  imb {m['imbalance']:.2f}  "
-                        f"{m['tokens_per_s']:.0f} tok/s  {m['step_s']:.2f} s/step"
-                        + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else "")
-                        + f"  [{step}/{end}, eta {_duration(m['step_s'] * (end - step))}]")
-            if run.checkpointer.should_save(step, step == end):
-                run.checkpointer.save(step, run.state, run.data.state(), dataclasses.asdict(cfg))
+    for step in range(start + 1, end + 1):
+        run.state, metrics = run.step_fn(run.state, run.next_batch())
+        report.dispatched(step, metrics)
+        if step % cfg.logging.every == 0 or step == end:
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            now = time.perf_counter()
+            done = step - (history[-1]["step"] if history else start)
+            m |= {"step": step, "step_s": (now - tick) / done, "tokens_per_s": tokens_per_step * done / (now - tick)}
+            if peak:
+                m["mfu"] = m["tokens_per_s"] * run.flops_per_token / (peak * jax.device_count())
+            tick = now
+            history.append(m)
+            report.record(m, end)
+        if run.checkpointer.should_save(step, step == end):
+            run.checkpointer.save(step, run.state, run.data.state(), dataclasses.asdict(cfg))
+    report.close()
     run.checkpointer.close()
     return history
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def losses(history: list[dict]) -> np.ndarray:

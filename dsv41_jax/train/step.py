@@ -27,9 +27,9 @@ from dsv41_jax.model.indexer_loss import IndexerStats
 from dsv41_jax.model.moe import RouterBias, Routing, expert_parallel
 from dsv41_jax.model.transformer import Transformer
 from dsv41_jax.optim import OptimConfig, balance_loss, lr_at, optimizer, router_bias_update
-from dsv41_jax.sharding import named_shardings, state_partition_specs
+from dsv41_jax.sharding import BATCH_AXES, activation_sharding, named_shardings, state_partition_specs
 
-BATCH = ("data", "fsdp", "expert")  # mesh axes the batch is split over (experts see the tokens of their group)
+BATCH = BATCH_AXES  # mesh axes the batch is split over (experts see the tokens of their group)
 
 
 class TrainState(NamedTuple):
@@ -65,8 +65,9 @@ def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.Grad
                     remat: str = "none", mesh: jax.sharding.Mesh | None = None):
     """The pure step ``(TrainState, batch) -> (TrainState, metrics)``; ``batch`` leaves are [A, b, ...].
 
-    With a ``mesh`` whose ``expert`` axis has several devices, MoE layers run expert-parallel
-    (:func:`~dsv41_jax.model.moe.routed_experts_ep`).
+    With a ``mesh``, activations and the CSA2 shared state keep their batch split over ``BATCH`` at every block
+    boundary (:func:`~dsv41_jax.sharding.constrain_batch`), and if its ``expert`` axis has several devices,
+    MoE layers run expert-parallel (:func:`~dsv41_jax.model.moe.routed_experts_ep`).
 
     ``remat`` (none | block | dots) rematerialises each transformer block in the backward pass.
     """
@@ -88,7 +89,7 @@ def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.Grad
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        with expert_parallel(mesh):
+        with expert_parallel(mesh), activation_sharding(mesh):
             return _step(state, batch)
 
     def _step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
@@ -187,7 +188,11 @@ def init_state(model_cfg, ocfg: OptimConfig, mesh, seed: int, remat: str = "none
     shardings, (graphdef, rest) = state_shardings(model, tx, mesh)
     _, params, biases, _ = split_model(model)
     state = jax.device_put(TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params)), shardings)
-    step = jax.jit(make_train_step(graphdef, rest, model_cfg, ocfg, tx, remat, mesh),
+    return state, jit_train_step(graphdef, rest, model_cfg, ocfg, tx, shardings, mesh, remat), shardings
+
+
+def jit_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx, shardings: TrainState, mesh, remat: str = "none"):
+    """The step jitted with the state's shardings in and out (the state is donated) and the batch's."""
+    return jax.jit(make_train_step(graphdef, rest, model_cfg, ocfg, tx, remat, mesh),
                    in_shardings=(shardings, batch_sharding(mesh)), out_shardings=(shardings, None),
                    donate_argnums=0)
-    return state, step, shardings

@@ -1,0 +1,74 @@
+r"""Convert a release-format checkpoint to Orbax, then score the converted model against reference outputs.
+
+    python infer/convert_and_score.py --hf-dir tests/data/golden/tiny_hf --out /tmp/tiny_orbax \
+        --inputs tests/data/golden/inputs.npz --reference tests/data/golden/ref_fp32.npz
+
+The flow: ``checkpoint.convert.convert`` (every tensor name, dtype and shape checked against the inventory its
+config.json implies, then written band by band; an interrupted run resumes from OUT.partial/, a finished OUT
+is scored as it is) -> ``checkpoint.load.model_from_orbax`` -> ``scoring.prefill_outputs``: the teacher-forced
+forward over each ``<tag>_ids`` array of the inputs, keeping the logits and every discrete decision (top-k,
+candidates, expert routes, Engram rows) under the reference's names -> ``scoring.compare`` against the
+reference, one line per array. Point --hf-dir at a download of the real model to check it the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from dsv41_jax.checkpoint.convert import MANIFEST, ConvertError, convert, read_manifest
+from dsv41_jax.checkpoint.load import model_from_orbax
+from dsv41_jax.config import ConfigError
+from dsv41_jax.scoring import compare, format_report, prefill_outputs
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-dir", required=True, help="directory with config.json, index, shards, tokenizer.json")
+    p.add_argument("--out", required=True, help="the Orbax checkpoint directory to write (or to score, if finished)")
+    p.add_argument("--weights", default="fp32", choices=["native", "bf16", "fp32"],
+                   help="native: keep FP8/FP4 + E8M0 scales; bf16/fp32: dequantise (default fp32)")
+    p.add_argument("--inputs", required=True, help="npz with <tag>_ids int arrays [B, S]")
+    p.add_argument("--reference", help="npz of reference outputs under the same names")
+    p.add_argument("--scores", help="write our outputs here (npz)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="activation precision (float32 = the reference's exact semantics)")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    try:
+        if (out / MANIFEST).is_file():
+            print(f"{out} holds a finished conversion ({read_manifest(out)['weights']} weights); scoring it")
+        else:
+            convert(args.hf_dir, out, weights=args.weights)
+        model, hasher = model_from_orbax(out, dtype=args.dtype)
+    except (ConfigError, ConvertError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    inputs = np.load(args.inputs)
+    tags = [k.removesuffix("_ids") for k in inputs.files if k.endswith("_ids")]
+    if not tags:
+        print(f"error: {args.inputs}: no '<tag>_ids' arrays found", file=sys.stderr)
+        return 2
+    ours: dict[str, np.ndarray] = {}
+    for tag in tags:  # per-layer detail (streams, compressed KV) for the first tag only, as the reference dumps
+        ours |= prefill_outputs(model, hasher, inputs[f"{tag}_ids"], tag, layers_detail=tag == tags[0])
+    if args.scores:
+        np.savez(args.scores, **ours)
+        print(f"wrote {len(ours)} arrays to {args.scores}")
+    if args.reference:
+        report = compare(ours, dict(np.load(args.reference)))
+        print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,7 +9,7 @@ asks for it directly: ``posttrain.distill.weight · KL(teacher ‖ student)`` ov
 * **student** = the served forward of the step (fake-quant with straight-through gradients, CED, encoder
   replay at the drawn hit), the logits the response CE already uses;
 * **teacher** = the exact forward (``cache_quant`` all off, no replay, no CED) of the **current** weights
-  under ``stop_gradient``.
+  under ``stop_gradient``, in the run's compute dtype (fp32 in ``configs/qat_tiny.yaml``, as the eval's (a)).
 
 Why the current weights and not a frozen copy of the starting ones: the metric compares the model with
 itself, and the SFT objective keeps moving the model (response NLL falls by ~0.6 nats over the recipe), so a

@@ -37,10 +37,19 @@ class SFTConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """Self-distillation toward the exact path (:mod:`.distill`): ``weight · KL(exact ‖ served)`` over the
+    response tokens, the teacher being the current weights' exact forward under ``stop_gradient``."""
+
+    weight: float = 0.0  # 0: no teacher forward
+
+
+@dataclass(frozen=True)
 class PosttrainConfig:
     init_from: str = ""  # a `dsv41 train` run directory or a `dsv41 convert` output (Orbax); required
     sft: SFTConfig = field(default_factory=SFTConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     # loss = (1 − lm_weight)·(response-token CE of the SFT rows) + lm_weight·(CE of the LM corpus rows)
     lm_weight: float = 0.0
 
@@ -61,6 +70,11 @@ def validate(cfg: PosttrainConfig, source: str | None = None) -> None:
         _fail(f"key 'posttrain.replay.prob' must lie in [0, 1], got {r.prob}", source)
     if r.granularity < 1:
         _fail(f"key 'posttrain.replay.granularity' must be ≥ 1, got {r.granularity}", source)
+    if cfg.distill.weight < 0.0:
+        _fail(f"key 'posttrain.distill.weight' must be ≥ 0, got {cfg.distill.weight}", source)
+    if cfg.distill.weight > 0.0 and cfg.lm_weight >= 1.0:
+        _fail("key 'posttrain.distill.weight' needs SFT rows (its KL is over response tokens): set "
+              "posttrain.lm_weight below 1.0 or the weight to 0", source)
     if not 0.0 <= cfg.lm_weight <= 1.0:
         _fail(f"key 'posttrain.lm_weight' must lie in [0, 1], got {cfg.lm_weight}", source)
     if cfg.lm_weight < 1.0 and not cfg.sft.paths:

@@ -12,12 +12,17 @@ when ``cache_quant.index``), the target is the main attention over the served wi
 the rows the engine computes in each index source count. It is the indexer's only training signal (it is
 detached and its top-k passes no LM gradient), so this is what adapts it to its quantised q/k.
 
+With ``posttrain.distill.weight`` > 0 the step adds ``weight · KL(exact ‖ served)`` over the response tokens,
+the teacher being the exact forward (``cache_quant`` off, no replay, no CED) of the current weights under
+``stop_gradient`` (:mod:`.distill`): the gap ``dsv41 eval-served`` measures, as a loss.
+
 MoE statistics (balance loss, aux-loss-free bias rule) count only the rows the engine computes in each layer:
 a row before its layer's window floor is a teacher-forcing by-product, not a served token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import NamedTuple
 
@@ -27,13 +32,16 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Bool
 
+from dsv41_jax.config import CacheQuant
 from dsv41_jax.model.moe import Routing
+from dsv41_jax.model.transformer import abstract_model
 from dsv41_jax.optim import OptimConfig, lr_at, router_bias_update
 from dsv41_jax.optim.balance import expert_load, sequence_balance_loss
 from dsv41_jax.optim.labels import path_name
 from dsv41_jax.posttrain.config import PosttrainConfig
+from dsv41_jax.posttrain.distill import token_kl
 from dsv41_jax.posttrain.replay import ServePlan, draw_hits, served_forward
-from dsv41_jax.train.step import TrainState, indexer_sums, targets_and_mask, token_nll
+from dsv41_jax.train.step import TrainState, indexer_sums, split_model, targets_and_mask, token_nll
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -46,6 +54,7 @@ class MicroOut(NamedTuple):
     live: tuple[Array, ...]  # per layer [R, S]: rows the served path computes
     hits: Array  # [b] the drawn boundaries
     indexer: tuple[Array, Array, Array]  # indexer_sums over the live SFT rows (zeros without the KL)
+    distill_sum: Array  # summed response-token KL(exact ‖ served) (zero without posttrain.distill)
 
 
 def ced_cut(model_cfg, pcfg: PosttrainConfig) -> int | None:
@@ -77,7 +86,13 @@ def _sft_part(model, mb: dict, key: Array, pcfg: PosttrainConfig, cut: int | Non
         idx = tuple(sum(parts) for parts in zip(*(indexer_sums((st,), live[layer])
                                                    for st, layer in zip(out[3], src, strict=True)), strict=True))
         idx = (idx[0] / len(src), idx[1], idx[2])
-    return nll_sum, bal, routing, live, hits, idx
+    return nll_sum, bal, routing, live, hits, idx, logits
+
+
+def exact_graphdef(model_cfg):
+    """The graph of the same model with every fake-quant switch off: the distillation teacher's forward."""
+    att = dataclasses.replace(model_cfg.attention, cache_quant=CacheQuant(False, False, False))
+    return split_model(abstract_model(model_cfg.replace(attention=att)))[0]
 
 
 def make_posttrain_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.GradientTransformation,
@@ -87,18 +102,24 @@ def make_posttrain_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.
     lm_w = pcfg.lm_weight
     alpha = ocfg.seq_balance_alpha
     target = ocfg.indexer_kl_over if ocfg.indexer_kl_weight > 0 else None
+    dw = pcfg.distill.weight
+    teacher_def = exact_graphdef(model_cfg) if dw > 0 else None
 
     def micro_loss(params, biases, mb, key, n_sft, n_lm, n_real, n_micro):
         model = nnx.merge(graphdef, params, biases, rest)
         zero = jnp.zeros((), jnp.float32)
-        sft_sum = lm_sum = bal = zero
+        sft_sum = lm_sum = bal = kl_sum = zero
         experts, live = [[] for _ in model.layers], [[] for _ in model.layers]
         hits = jnp.zeros((0,), jnp.int32)
         idx = (zero, zero, zero)
         if "tokens" in mb:
-            sft_sum, bal, routing, sft_live, hits, idx = _sft_part(model, mb, key, pcfg, cut, alpha, target)
+            sft_sum, bal, routing, sft_live, hits, idx, logits = _sft_part(model, mb, key, pcfg, cut, alpha, target)
             for i, (rt, lv) in enumerate(zip(routing, sft_live, strict=True)):
                 experts[i].append(rt.experts), live[i].append(lv)
+            if teacher_def is not None:  # the eval's exact path (a) of the current weights, detached
+                sg = jax.lax.stop_gradient
+                teacher = nnx.merge(teacher_def, sg(params), sg(biases), rest)
+                kl_sum = jnp.sum(token_kl(teacher(mb["tokens"], mb.get("engram_rows")), logits) * mb["loss_mask"])
         if "lm_tokens" in mb:
             logits, aux = model(mb["lm_tokens"], mb.get("lm_engram_rows"), segment_ids=mb["lm_segment_ids"],
                                 positions=mb.get("lm_positions"), return_aux=True)  # packed: documents masked
@@ -109,9 +130,9 @@ def make_posttrain_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.
             for i, rt in enumerate(aux.routing):
                 experts[i].append(rt.experts), live[i].append(valid)
         loss = (1 - lm_w) * sft_sum / n_sft + lm_w * lm_sum / n_lm + bal / n_micro
-        loss = loss + ocfg.indexer_kl_weight * idx[0] / n_real
+        loss = loss + ocfg.indexer_kl_weight * idx[0] / n_real + dw * kl_sum / n_sft
         cat = lambda xs: tuple(jnp.concatenate(x, axis=0) for x in xs)
-        return loss, MicroOut(sft_sum, lm_sum, bal, cat(experts), cat(live), hits, idx)
+        return loss, MicroOut(sft_sum, lm_sum, bal, cat(experts), cat(live), hits, idx, kl_sum)
 
     if remat != "none":
         policy = jax.checkpoint_policies.dots_saveable if remat == "dots" else None
@@ -154,6 +175,9 @@ def make_posttrain_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.
             kl = out.indexer[0].sum() / n_real
             metrics |= {"loss": metrics["loss"] + ocfg.indexer_kl_weight * kl, "indexer_kl": kl,
                         "indexer_agreement": out.indexer[1].sum() / jnp.maximum(out.indexer[2].sum(), 1)}
+        if teacher_def is not None:
+            kl = out.distill_sum.sum() / n_sft
+            metrics |= {"loss": metrics["loss"] + dw * kl, "distill_kl": kl}
         return TrainState(state.step + 1, params, biases, opt_state), metrics
 
     return step

@@ -19,6 +19,7 @@ def test_qat_tiny_parses():
     assert p.init_from == "runs/pretrain_tiny" and p.sft.paths == ("runs/sft/train.jsonl",)
     assert (p.replay.prob, p.replay.ced, p.replay.cut, p.lm_weight) == (0.25, True, None, 0.25)
     assert p.sft.assistant_prefix == "\n\nAssistant:"
+    assert p.distill.weight == 10.0
     assert cfg.model.attention.cache_quant == CacheQuant(main_kv=True, index=False, swa=True)
     assert load(QAT.parent / "pretrain_tiny.yaml").posttrain is None
 
@@ -32,6 +33,9 @@ def test_qat_tiny_parses():
     ({"init_from": "x"}, r"posttrain\.sft\.paths"),
     ({"sft": {"paths": ["a"]}}, r"posttrain\.init_from"),
     ({"init_from": "x", "sft": {"paths": ["a"]}, "lm_weight": -0.1}, r"posttrain\.lm_weight"),
+    ({"init_from": "x", "sft": {"paths": ["a"]}, "distill": {"weight": -1.0}}, r"posttrain\.distill\.weight"),
+    ({"init_from": "x", "sft": {"paths": ["a"]}, "distill": {"temperature": 2.0}}, r"posttrain\.distill\.temperature"),
+    ({"init_from": "x", "lm_weight": 1.0, "distill": {"weight": 1.0}}, r"posttrain\.distill\.weight"),
 ])
 def test_rejects_with_key_and_file(tmp_path, posttrain, match):
     path = tmp_path / "run.yaml"

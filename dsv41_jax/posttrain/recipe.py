@@ -150,7 +150,7 @@ def setup_posttrain(cfg, model_cfg: C.ModelConfig, mesh, tok_path: Path, token_m
         state = jax.device_put(TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params)), shardings)
     log(f"fine-tuning from {pcfg.init_from}; fake-quant {dataclasses.asdict(model_cfg.attention.cache_quant)}; "
         f"replay {dataclasses.asdict(pcfg.replay)}; lm_weight {pcfg.lm_weight}")
-    step = make_posttrain_step(graphdef, rest, model_cfg, cfg.optim, tx, pcfg, cfg.seed, cfg.remat)
+    step = make_posttrain_step(graphdef, rest, model_cfg, cfg.optim, tx, pcfg, cfg.seed, cfg.remat, mesh)
     step = jax.jit(step, in_shardings=(shardings, batch_sharding(mesh)), out_shardings=(shardings, None),
                    donate_argnums=0)
     pi, pc = jax.process_index(), jax.process_count()

@@ -33,7 +33,7 @@ from flax import nnx
 from jaxtyping import Array, Bool
 
 from dsv41_jax.config import CacheQuant
-from dsv41_jax.model.moe import Routing
+from dsv41_jax.model.moe import Routing, expert_parallel
 from dsv41_jax.model.transformer import abstract_model
 from dsv41_jax.optim import OptimConfig, lr_at, router_bias_update
 from dsv41_jax.optim.balance import expert_load, sequence_balance_loss
@@ -41,6 +41,7 @@ from dsv41_jax.optim.labels import path_name
 from dsv41_jax.posttrain.config import PosttrainConfig
 from dsv41_jax.posttrain.distill import token_kl
 from dsv41_jax.posttrain.replay import ServePlan, draw_hits, served_forward
+from dsv41_jax.sharding import activation_sharding
 from dsv41_jax.train.step import TrainState, indexer_sums, split_model, targets_and_mask, token_nll
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -96,8 +97,23 @@ def exact_graphdef(model_cfg):
 
 
 def make_posttrain_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.GradientTransformation,
-                        pcfg: PosttrainConfig, seed: int, remat: str = "none"):
-    """The pure step ``(TrainState, batch) -> (TrainState, metrics)``; ``batch`` leaves are [A, b, ...]."""
+                        pcfg: PosttrainConfig, seed: int, remat: str = "none", mesh: jax.sharding.Mesh | None = None):
+    """The pure step ``(TrainState, batch) -> (TrainState, metrics)``; ``batch`` leaves are [A, b, ...].
+
+    A ``mesh`` is used as in pre-training (:func:`dsv41_jax.train.step.make_train_step`): batch-split
+    activations and shared state, per-device top-k, expert-parallel MoE when its ``expert`` axis is split.
+    """
+    step = _make_step(graphdef, rest, model_cfg, ocfg, tx, pcfg, seed, remat)
+
+    def sharded_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        with expert_parallel(mesh), activation_sharding(mesh):
+            return step(state, batch)
+
+    return sharded_step
+
+
+def _make_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.GradientTransformation,
+               pcfg: PosttrainConfig, seed: int, remat: str):
     cut = ced_cut(model_cfg, pcfg)
     lm_w = pcfg.lm_weight
     alpha = ocfg.seq_balance_alpha

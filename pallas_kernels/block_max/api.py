@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.block_max import gpu, reference, tpu
+from pallas_kernels.block_max import gpu, reference, select, tpu
 
 BACKENDS = ("xla", "pallas")
 
@@ -32,15 +32,23 @@ def block_max(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block
     return tpu.block_max(scores, n_visible, block_size, interpret=platform != "tpu")
 
 
+SELECTIONS = ("top_k", "radix")
+
+
 def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
-                        n_blocks: int, *, backend: str = "xla") -> Int[Array, "B S K"]:
+                        n_blocks: int, *, backend: str = "xla", selection: str = "top_k") -> Int[Array, "B S K"]:
     """Per query, the top ``n_blocks`` blocks by block max (newest visible block pinned), dropping blocks
     with no visible score; ascending, −1 padded. Ties go to the lower block index (``lax.top_k``, spec §6.3).
+    ``selection="radix"`` finds the same blocks without a sort (``select.select_top_blocks``).
     """
+    if selection not in SELECTIONS:
+        raise ValueError(f"candidate_block_ids: selection must be one of {SELECTIONS}, got {selection!r}")
     # the ids are discrete: no gradient flows back, and pallas_call need not be differentiated when the
     # scores carry one (the indexer's own loss differentiates them)
     scores = jax.lax.stop_gradient(scores)
     bmax = block_max(scores, n_visible, block_size, backend=backend)  # [B, S, NB]
+    if selection == "radix":
+        return select.select_top_blocks(bmax, n_blocks)
     nb = bmax.shape[-1]
     vals, idx = jax.lax.top_k(bmax, min(n_blocks, nb))  # ties: lower block index, as the reference
     ids = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)  # dropped blocks sort last

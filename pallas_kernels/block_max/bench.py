@@ -32,9 +32,11 @@ def main() -> None:
             f = jax.jit(lambda x, n, backend=backend: api.block_max(x, n, BLOCK, backend=backend))
             us = benchutil.median_us(f, scores, n, iters=args.iters)
             benchutil.emit("block_max", backend, (b, s, t), us, moved, scores.size, stage="block_max")
-            g = jax.jit(lambda x, n, backend=backend: api.candidate_block_ids(x, n, BLOCK, TOPK, backend=backend))
-            us = benchutil.median_us(g, scores, n, iters=args.iters)
-            benchutil.emit("block_max", backend, (b, s, t), us, moved, scores.size, stage="with_top_k")
+            for selection in api.SELECTIONS:
+                g = jax.jit(lambda x, n, backend=backend, sel=selection: api.candidate_block_ids(
+                    x, n, BLOCK, TOPK, backend=backend, selection=sel))
+                us = benchutil.median_us(g, scores, n, iters=args.iters)
+                benchutil.emit("block_max", backend, (b, s, t), us, moved, scores.size, stage=f"with_{selection}")
 
 
 if __name__ == "__main__":

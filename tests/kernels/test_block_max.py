@@ -87,3 +87,31 @@ def test_gpu_kernel_on_device(b, s, t):
         np.testing.assert_array_equal(gpu.block_max(scores, n, 8), reference.block_max(scores, n, 8))
         np.testing.assert_array_equal(bm.candidate_block_ids(scores, n, 8, 2048, backend="pallas"),
                                       indexer.candidate_block_ids(scores, n, 8, 2048))
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_radix_selection_equals_top_k(ties):
+    """The sort-free selection keeps lax.top_k's blocks (ties lower-index-first), ascending, −1 padded: over
+    causal masks with fully masked rows, the pinned newest block, heavy ties, and k above the block count."""
+    rng = np.random.default_rng(10 + int(ties))
+    for b, s, t, bs in SHAPES + [(2, 3, 2048, 8), (1, 2, 4096, 4)]:
+        scores, n = _scores(rng, b, s, t, ties=ties)
+        nb = -(-t // bs)
+        for k in sorted({1, 3, max(1, nb // 3), nb, nb + 5}):
+            want = bm.candidate_block_ids(scores, n, bs, k)
+            got = bm.candidate_block_ids(scores, n, bs, k, selection="radix")
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{(b, s, t, bs)} k={k}")
+
+
+def test_radix_select_threshold_on_signs_zeros_and_infinities():
+    from pallas_kernels.block_max.select import select_top_blocks
+
+    assert np.asarray(jax.lax.top_k(jnp.asarray([-0.0, 0.0]), 1)[1]).tolist() == [1]  # the order matched
+
+    row = np.array([-0.0, 0.0, -np.inf, np.inf, -1.5, 2.0, 2.0, -0.0, 1e-38, -1e-38, 2.0, -np.inf], np.float32)
+    for k in range(1, row.size + 2):
+        # lax.top_k's order: −0 below +0, then equal values by lower index
+        order = sorted(range(row.size), key=lambda i: (-row[i], bool(np.signbit(row[i])), i))[: min(k, row.size)]
+        want = sorted(i for i in order if row[i] > -np.inf)
+        got = np.asarray(select_top_blocks(jnp.asarray(row)[None], k))[0]
+        assert got[: len(want)].tolist() == want and (got[len(want):] == -1).all(), (k, got, want)

@@ -1,4 +1,4 @@
-"""The 8-device half of ``test_sharded_step.py``: one post-training step (SFT rows, replay at drawn hit
+"""The 8-device half of ``test_posttrain_on_a_mesh.py``: one post-training step (SFT rows, replay at drawn hit
 boundaries, CED, self-distillation, indexer KL) on data × fsdp × expert = 2 × 2 × 2 and on one device, from
 the same state and batch. Prints one JSON line. Run with 8 fake CPU devices (``run_on_fake_cpus``)."""
 

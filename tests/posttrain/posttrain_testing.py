@@ -54,3 +54,35 @@ def conversation_batch(cfg: C.ModelConfig, seed: int = 5):
     tokens[:, :LENGTH] = rng.integers(4, cfg.vocab_size, LENGTH)
     return EvalBatch(tokens, random_rows(cfg, tokens), np.full(len(HITS), PROMPT, np.int32),
                      np.full(len(HITS), LENGTH, np.int32))
+
+
+def two_layer_model_dict(**attention) -> dict:
+    """Two layers, both index sources (ratio 2, then ratio 1 restricted to the candidates), no Engram: the
+    smallest post-training step to compile. ``attention`` overrides keys of that section."""
+    return {"preset": "tiny", "dtype": "float32", "n_layers": 2,
+            "attention": {"compress_ratios": [2, 1, 0, 0, 0], "kv_source_layers": [0, 1],
+                          "index_source_layers": [0, 1], "candidate_source_layer": 1, **attention},
+            "engram": {"layer_ids": [], "num_embeddings": []}, "dspark": {"target_layer_ids": [0, 1, 1]}}
+
+
+def record_grads():
+    """An optax transform that keeps the step's gradient as its state (and applies it unscaled)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, _, p=None: (g, g))
+
+
+def sft_rows(cfg: C.ModelConfig, prompts, lengths, seq: int, loss_from=None, seed: int = 3) -> dict:
+    """One micro-batch [1, B, S] of SFT rows: random tokens, prompt lengths, and a loss mask over the response
+    (from ``loss_from`` instead of each prompt's end, when given)."""
+    rng = np.random.default_rng(seed)
+    prompts, lengths = np.asarray(prompts), np.asarray(lengths)
+    seg = (np.arange(seq)[None] < lengths[:, None]).astype(np.int32)
+    tokens = (rng.integers(4, cfg.vocab_size, (len(lengths), seq)) * seg).astype(np.int32)
+    pos = np.arange(seq)[None]
+    start = prompts[:, None] - 1 if loss_from is None else loss_from
+    mask = ((pos >= start) & (pos < lengths[:, None] - 1)).astype(np.float32)
+    rows = dict(tokens=tokens, segment_ids=seg, prompt_len=prompts.astype(np.int32), loss_mask=mask)
+    return {k: v[None] for k, v in rows.items()}

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from posttrain_testing import two_layer_model_dict
 
 from dsv41_jax import config as C
 from dsv41_jax.model.transformer import Transformer
@@ -19,11 +20,7 @@ from dsv41_jax.posttrain.step import make_posttrain_step
 from dsv41_jax.train.step import TrainState, batch_sharding, build_mesh, split_model, state_shardings
 
 B, S = 8, 40
-# two index-source layers (ratio 2, then ratio 1 restricted to the candidates); 8 experts split over 2
-MODEL = {"preset": "tiny", "dtype": "float32", "n_layers": 2,
-         "attention": {"compress_ratios": [2, 1, 0, 0, 0], "kv_source_layers": [0, 1],
-                       "index_source_layers": [0, 1], "candidate_source_layer": 1},
-         "engram": {"layer_ids": [], "num_embeddings": []}, "dspark": {"target_layer_ids": [0, 1, 1]}}
+MODEL = two_layer_model_dict()  # 8 experts, split over 2 on the mesh
 
 
 def batch(cfg) -> dict:

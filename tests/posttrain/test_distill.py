@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from posttrain_testing import record_grads, sft_rows, two_layer_model_dict
 
 from dsv41_jax import config as C
 from dsv41_jax.model.transformer import Transformer
@@ -28,12 +29,10 @@ from dsv41_jax.train.step import TrainState, split_model
 
 PROMPTS, LENGTHS, S = (20, 26), (36, 30), 40
 HIT = 16  # replay granularity 16: the only multiple of 16 in [window 8, N) for both prompts
-MODEL = {"preset": "tiny", "dtype": "float32", "n_layers": 2,
-         "attention": {"compress_ratios": [2, 1, 0, 0, 0], "kv_source_layers": [0, 1],
-                       "index_source_layers": [0, 1], "candidate_source_layer": 1,
-                       "index_topk": 48, "candidate_topk_blocks": 16,  # cover every entry: no selection flips
-                       "cache_quant": {"main_kv": False, "index": False, "swa": False}},
-         "engram": {"layer_ids": [], "num_embeddings": []}, "dspark": {"target_layer_ids": [0, 1, 1]}}
+# every entry covered by the top-k and the candidate pool: no selection flips; exact caches (the STE is not
+# a derivative, so finite differences need the unquantised path)
+MODEL = two_layer_model_dict(index_topk=48, candidate_topk_blocks=16,
+                             cache_quant={"main_kv": False, "index": False, "swa": False})
 
 
 def test_token_kl_is_zero_at_the_teacher_and_its_gradient_is_p_student_minus_p_teacher():
@@ -57,24 +56,13 @@ def test_token_kl_is_zero_at_the_teacher_and_its_gradient_is_p_student_minus_p_t
     assert float(token_kl(t, s - 0.1 * g).sum()) < float(token_kl(t, s).sum())
 
 
-def _record_grads() -> optax.GradientTransformation:
-    """Keeps the step's gradient as its state."""
-    return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, _, p=None: (g, g))
-
-
 @pytest.fixture(scope="module")
 def setup():
     cfg = C.from_dict(MODEL)
-    rng = np.random.default_rng(3)
-    seg = (np.arange(S)[None] < np.array(LENGTHS)[:, None]).astype(np.int32)
-    tokens = (rng.integers(4, cfg.vocab_size, (2, S)) * seg).astype(np.int32)
-    pos = np.arange(S)[None]
     # the KL counts the replayed rows too (any mask will do for the math; these rows move the most)
-    loss_mask = ((pos >= HIT - 8) & (pos < np.array(LENGTHS)[:, None] - 1)).astype(np.float32)
-    batch = dict(tokens=tokens, segment_ids=seg, prompt_len=np.array(PROMPTS, np.int32), loss_mask=loss_mask)
-    batch = {k: jnp.asarray(v)[None] for k, v in batch.items()}  # one micro-batch
+    batch = {k: jnp.asarray(v) for k, v in sft_rows(cfg, PROMPTS, LENGTHS, S, loss_from=HIT - 8).items()}
     graphdef, params, biases, rest = split_model(Transformer(cfg, rngs=nnx.Rngs(0)))
-    tx = _record_grads()
+    tx = record_grads()
     state = TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params))
     return cfg, batch, (graphdef, params, biases, rest), tx, state
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
+from posttrain_testing import record_grads, sft_rows, two_layer_model_dict
 
 from dsv41_jax import config as C
 from dsv41_jax.model.transformer import Transformer
@@ -20,31 +20,15 @@ from dsv41_jax.posttrain.step import make_posttrain_step
 from dsv41_jax.train.step import TrainState, make_train_step, split_model
 
 PROMPTS, LENGTHS, S = (20, 26), (36, 30), 40
-# two layers, both index sources (ratio 2, then ratio 1 with the candidate restriction): a small step to compile
-MODEL = {"preset": "tiny", "dtype": "float32", "n_layers": 2,
-         "attention": {"compress_ratios": [2, 1, 0, 0, 0], "kv_source_layers": [0, 1],
-                       "index_source_layers": [0, 1], "candidate_source_layer": 1},
-         "engram": {"layer_ids": [], "num_embeddings": []}, "dspark": {"target_layer_ids": [0, 1, 1]}}
-
-
-def _record_grads() -> optax.GradientTransformation:
-    """Keeps the step's gradient as its state (and applies it; the parameters are not read again)."""
-    return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, _, p=None: (g, g))
+MODEL = two_layer_model_dict()
 
 
 @pytest.fixture(scope="module")
 def setup():
     cfg = C.from_dict(MODEL)
-    rng = np.random.default_rng(3)
-    seg = (np.arange(S)[None] < np.array(LENGTHS)[:, None]).astype(np.int32)
-    tokens = rng.integers(4, cfg.vocab_size, (2, S)) * seg
-    pos = np.arange(S)[None]
-    loss_mask = (pos >= np.array(PROMPTS)[:, None] - 1) & (pos < np.array(LENGTHS)[:, None] - 1)
-    batch = dict(tokens=tokens.astype(np.int32), segment_ids=seg,
-                 prompt_len=np.array(PROMPTS, np.int32), loss_mask=loss_mask.astype(np.float32))
-    batch = {k: jnp.asarray(v)[None] for k, v in batch.items()}  # one micro-batch
+    batch = {k: jnp.asarray(v) for k, v in sft_rows(cfg, PROMPTS, LENGTHS, S).items()}  # one micro-batch
     graphdef, params, biases, rest = split_model(Transformer(cfg, rngs=nnx.Rngs(0)))
-    tx = _record_grads()
+    tx = record_grads()
     state = TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params))
     ocfg = OptimConfig(indexer_kl_weight=0.5)
     return cfg, batch, graphdef, rest, tx, state, ocfg

@@ -71,7 +71,7 @@ def _cmd_score(args) -> int:
     import numpy as np
 
     from dsv41_jax.checkpoint.load import model_from_hf
-    from dsv41_jax.scoring import compare, format_report, prefill_outputs
+    from dsv41_jax.scoring import compare, format_report, prefill_outputs, score_inputs
 
     if args.ckpt:
         from dsv41_jax.checkpoint.load import model_from_orbax
@@ -89,13 +89,10 @@ def _cmd_score(args) -> int:
         np.save(args.out or "logits.npy", logits)
         print(f"wrote logits {logits.shape} to {args.out or 'logits.npy'}")
         return 0
-    inputs = np.load(args.inputs)
-    tags = [k[: -len("_ids")] for k in inputs.files if k.endswith("_ids")]
-    if not tags:
-        raise SystemExit(f"{args.inputs}: no '<tag>_ids' arrays found")
-    ours = {}
-    for tag in tags:
-        ours |= prefill_outputs(model, hasher, inputs[f"{tag}_ids"], tag, layers_detail=tag == tags[0])
+    try:
+        ours = score_inputs(model, hasher, np.load(args.inputs))
+    except ValueError as err:
+        raise SystemExit(f"{args.inputs}: {err}") from None
     if args.out:
         np.savez(args.out, **ours)
         print(f"wrote {len(ours)} arrays to {args.out}")

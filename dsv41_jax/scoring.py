@@ -16,6 +16,18 @@ from dsv41_jax.engram_hash import EngramHasher
 from dsv41_jax.model import Transformer
 
 
+def score_inputs(model: Transformer, hasher: EngramHasher, inputs) -> dict[str, np.ndarray]:
+    """Every ``<tag>_ids`` array of ``inputs`` (an npz) through :func:`prefill_outputs`, golden-named; per-layer
+    detail for the first tag only, as the reference dumps. Raises ``ValueError`` when there is no such array."""
+    tags = [k.removesuffix("_ids") for k in inputs.files if k.endswith("_ids")]
+    if not tags:
+        raise ValueError("no '<tag>_ids' arrays found")
+    ours: dict[str, np.ndarray] = {}
+    for tag in tags:
+        ours |= prefill_outputs(model, hasher, inputs[f"{tag}_ids"], tag, layers_detail=tag == tags[0])
+    return ours
+
+
 def prefill_outputs(model: Transformer, hasher: EngramHasher, ids: np.ndarray, tag: str,
                     layers_detail: bool = False) -> dict[str, np.ndarray]:
     """Logits at every position and every discrete decision of a full-sequence forward."""

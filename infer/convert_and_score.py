@@ -5,7 +5,7 @@ r"""Convert a release-format checkpoint to Orbax, then score the converted model
 
 The flow: ``checkpoint.convert.convert`` (every tensor name, dtype and shape checked against the inventory its
 config.json implies, then written band by band; an interrupted run resumes from OUT.partial/, a finished OUT
-is scored as it is) -> ``checkpoint.load.model_from_orbax`` -> ``scoring.prefill_outputs``: the teacher-forced
+is scored as it is) -> ``checkpoint.load.model_from_orbax`` -> ``scoring.score_inputs``: the teacher-forced
 forward over each ``<tag>_ids`` array of the inputs, keeping the logits and every discrete decision (top-k,
 candidates, expert routes, Engram rows) under the reference's names -> ``scoring.compare`` against the
 reference, one line per array. Point --hf-dir at a download of the real model to check it the same way.
@@ -23,7 +23,7 @@ import numpy as np
 from dsv41_jax.checkpoint.convert import MANIFEST, ConvertError, convert, read_manifest
 from dsv41_jax.checkpoint.load import model_from_orbax
 from dsv41_jax.config import ConfigError
-from dsv41_jax.scoring import compare, format_report, prefill_outputs
+from dsv41_jax.scoring import compare, format_report, score_inputs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,14 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ConvertError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    inputs = np.load(args.inputs)
-    tags = [k.removesuffix("_ids") for k in inputs.files if k.endswith("_ids")]
-    if not tags:
-        print(f"error: {args.inputs}: no '<tag>_ids' arrays found", file=sys.stderr)
+    try:
+        ours = score_inputs(model, hasher, np.load(args.inputs))
+    except ValueError as err:
+        print(f"error: {args.inputs}: {err}", file=sys.stderr)
         return 2
-    ours: dict[str, np.ndarray] = {}
-    for tag in tags:  # per-layer detail (streams, compressed KV) for the first tag only, as the reference dumps
-        ours |= prefill_outputs(model, hasher, inputs[f"{tag}_ids"], tag, layers_detail=tag == tags[0])
     if args.scores:
         np.savez(args.scores, **ours)
         print(f"wrote {len(ours)} arrays to {args.scores}")

@@ -16,7 +16,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_stream as ms
 from pallas_kernels.bench_variants import header, measure, parse_variant
 from pallas_kernels.fp4_pack import gpu, layout, mosaic, reference
 from pallas_kernels.fp4_pack.bench import OPS_PER_ELEMENT, SHAPES
@@ -33,6 +36,47 @@ DEFAULT_VARIANTS = [
 _REF = {"nvfp4": reference.pack_nvfp4, "mxfp4": reference.pack_mxfp4}
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "rows_per_step", "stages", "ctas_per_sm", "chunk"))
+def stream_copy(x, fmt: str, *, rows_per_step: int = 16, stages: int = 2, ctas_per_sm: int = 3, chunk: int = 128):
+    """The packer's streaming loop with the encode taken out: each tile's words go SMEM -> registers (the
+    packer's layout) -> SMEM -> GMEM unchanged. Its time is the ceiling of ``mosaic.pack`` at these
+    settings; the gap between the two is the encode."""
+    block = layout.FORMATS[fmt]
+    xin, _ = mosaic._to_kernel_input(x, block)  # bf16: [R, G, P] words
+    r, g, p = xin.shape
+    br = rows_per_step
+    bm = br * g
+    reg = mosaic.rows_layout(p)
+    n_tiles = -(-r // br)
+    n_ctas = min(n_tiles, ctas_per_sm * ms.num_sms())
+    rows = functools.partial(pl.ds, size=br)
+
+    def body(x_gmem, o_gmem, x_buf, o_buf, barrier):
+        def load(t, slot):
+            plgpu.copy_gmem_to_smem(x_gmem.at[rows(t * br)], x_buf.at[slot], barrier.at[slot])
+
+        def store(t, buf):
+            plgpu.copy_smem_to_gmem(o_buf.at[buf], o_gmem.at[rows(t * br)])
+
+        def compute(t, slot, buf):
+            xs, os_ = x_buf.at[slot].reshape(bm, p), o_buf.at[buf].reshape(bm, p)
+
+            def one(i, carry):
+                sl = pl.ds(i * chunk, chunk)
+                os_.at[sl][...] = ms.load(xs.at[sl], reg)
+                return carry
+
+            jax.lax.fori_loop(0, bm // chunk, one, 0)
+
+        ms.stream(n_tiles=n_tiles, n_ctas=n_ctas, stages=stages, barrier=barrier, load=load, compute=compute,
+                  store=store)
+
+    scratch = [plgpu.SMEM((stages, br, g, p), jnp.int32), plgpu.SMEM((2, br, g, p), jnp.int32),
+               plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
+    return ms.kernel(body, out_type=jax.ShapeDtypeStruct(xin.shape, jnp.int32), scratch_types=scratch,
+                     n_ctas=n_ctas, interpret=False, no_auto_barriers=True)(xin)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", default="bfloat16")
@@ -40,6 +84,7 @@ def main() -> None:
     p.add_argument("--variant", action="append", help="mosaic.pack kwargs, e.g. rows_per_step=16,stages=2")
     p.add_argument("--shapes", default="", help="comma-separated indices into bench.SHAPES (default: all)")
     p.add_argument("--skip-triton", action="store_true")
+    p.add_argument("--stream-copy", action="append", help="time stream_copy with these kwargs (bf16 only)")
     args = p.parse_args()
     variants = args.variant or DEFAULT_VARIANTS
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
@@ -53,6 +98,10 @@ def main() -> None:
         run("xla_copy", lambda v: v * 1, nbytes=2 * x.size * x.dtype.itemsize)
         if not args.skip_triton:
             run("triton", functools.partial(gpu.pack, fmt=fmt), want=want)
+        if args.stream_copy and x.dtype == jnp.bfloat16:
+            for spec in args.stream_copy:
+                run("mosaic_stream_copy", functools.partial(stream_copy, fmt=fmt, **parse_variant(spec)),
+                    nbytes=2 * x.size * x.dtype.itemsize, variant=spec)
         for spec in variants:
             run("mosaic", functools.partial(mosaic.pack, fmt=fmt, **parse_variant(spec)), want=want,
                 variant=spec or "default")

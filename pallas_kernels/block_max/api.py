@@ -36,10 +36,12 @@ SELECTIONS = ("top_k", "radix")
 
 
 def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
-                        n_blocks: int, *, backend: str = "xla", selection: str = "top_k") -> Int[Array, "B S K"]:
+                        n_blocks: int, *, backend: str = "xla", selection: str = "top_k",
+                        digit_bits: int = 4) -> Int[Array, "B S K"]:
     """Per query, the top ``n_blocks`` blocks by block max (newest visible block pinned), dropping blocks
     with no visible score; ascending, −1 padded. Ties go to the lower block index (``lax.top_k``, spec §6.3).
-    ``selection="radix"`` finds the same blocks without a sort (``select.select_top_blocks``).
+    ``selection="radix"`` finds the same blocks without a sort (``select.select_top_blocks``, with
+    ``digit_bits`` per pass).
     """
     if selection not in SELECTIONS:
         raise ValueError(f"candidate_block_ids: selection must be one of {SELECTIONS}, got {selection!r}")
@@ -48,7 +50,7 @@ def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B 
     scores = jax.lax.stop_gradient(scores)
     bmax = block_max(scores, n_visible, block_size, backend=backend)  # [B, S, NB]
     if selection == "radix":
-        return select.select_top_blocks(bmax, n_blocks)
+        return select.select_top_blocks(bmax, n_blocks, digit_bits=digit_bits)
     nb = bmax.shape[-1]
     vals, idx = jax.lax.top_k(bmax, min(n_blocks, nb))  # ties: lower block index, as the reference
     ids = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)  # dropped blocks sort last

@@ -83,7 +83,8 @@ def _body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
 
         def load(t, slot):
             i, j = where(t)
-            plgpu.copy_gmem_to_smem(s_gmem.at[pl.ds(i, 1), pl.ds(j * kb, kb)], s_buf.at[slot], barrier.at[slot])
+            dst = s_buf.at[slot] if interpret else s_buf.at[slot].reshape(1, kb, geo.k)
+            plgpu.copy_gmem_to_smem(s_gmem.at[pl.ds(i, 1), pl.ds(j * kb, kb)], dst, barrier.at[slot])
 
         def store(t, buf):
             i, j = where(t)
@@ -97,12 +98,12 @@ def _body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
             i, j = where(t)
             n = n_gmem[i]
             if interpret:  # whole tile, value reshapes (no ref reshapes or layouts in the interpreter)
-                bmax = jnp.max(s_buf[slot].reshape(geo.nbt, geo.bs), axis=1)
+                bmax = jnp.max(s_buf[slot].reshape(geo.nbt, geo.bs), axis=1)  # [1, kb, k] there
                 blk = j * geo.nbt + lax.broadcasted_iota(jnp.int32, (geo.nbt,), 0)
                 o_buf[buf] = finish(bmax, blk, n).reshape(o_buf.shape[1:])
                 return
             reg = geo.reg_layout()
-            ss = s_buf.at[slot].reshape(geo.nbt, geo.bs)
+            ss = s_buf.at[slot]  # [nbt, bs]: declared so, so that no ref reshape splits its minor dimension
             os_ = o_buf.at[buf].reshape(geo.nbt)
 
             def one_chunk(c, carry):
@@ -148,7 +149,9 @@ def block_max(scores, n_visible, block_size: int, *, positions_per_step: int = 8
     n_ctas = min(geo.n_tiles, ctas_per_sm * ms.num_sms())
     kb = geo.tt // geo.k
     scratch = [
-        plgpu.SMEM((stages, 1, kb, geo.k), scores.dtype),
+        # compiled: [nbt, bs] per slot (the register load's view; TMA writes it through a reshape to the
+        # box [1, kb, k]); interpreted: the box shape (the interpreter has no ref reshapes)
+        plgpu.SMEM((stages, 1, kb, geo.k) if interpret else (stages, geo.nbt, geo.bs), scores.dtype),
         plgpu.SMEM((2, 1, kb, geo.ko), scores.dtype),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
     ]

@@ -89,8 +89,8 @@ def test_gpu_kernel_on_device(b, s, t):
                                       indexer.candidate_block_ids(scores, n, 8, 2048))
 
 
-@pytest.mark.parametrize("ties", [False, True])
-def test_radix_selection_equals_top_k(ties):
+@pytest.mark.parametrize("ties,digit_bits", [(False, 4), (True, 4), (True, 8)])
+def test_radix_selection_equals_top_k(ties, digit_bits):
     """The sort-free selection keeps lax.top_k's blocks (ties lower-index-first), ascending, −1 padded: over
     causal masks with fully masked rows, the pinned newest block, heavy ties, and k above the block count."""
     rng = np.random.default_rng(10 + int(ties))
@@ -99,8 +99,37 @@ def test_radix_selection_equals_top_k(ties):
         nb = -(-t // bs)
         for k in sorted({1, 3, max(1, nb // 3), nb, nb + 5}):
             want = bm.candidate_block_ids(scores, n, bs, k)
-            got = bm.candidate_block_ids(scores, n, bs, k, selection="radix")
+            got = bm.candidate_block_ids(scores, n, bs, k, selection="radix", digit_bits=digit_bits)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{(b, s, t, bs)} k={k}")
+
+
+def test_prefix_counts_are_exact_over_many_chunks():
+    """The matmul prefix sums equal numpy's cumsum over rows of many 256-chunks (and a ragged tail), dense
+    and sparse flags: the sums are exact, not rounded by bf16 or tf32."""
+    from pallas_kernels.block_max.select import prefix_counts
+
+    rng = np.random.default_rng(3)
+    for n in (1, 255, 257, 70001):
+        flags = np.stack([rng.random((3, n)) < p for p in (0.999, 0.01)], axis=1)  # [3, 2, n]
+        got = np.asarray(jax.jit(prefix_counts)(jnp.asarray(flags)))
+        np.testing.assert_array_equal(got, np.cumsum(flags, axis=-1), err_msg=f"n={n}")
+
+
+def test_radix_select_at_the_release_width():
+    """2048 of 131072 block maxima (a 1M-position row) with a heavy tie at the threshold, both digit widths."""
+    from pallas_kernels.block_max.select import select_top_blocks
+
+    rng = np.random.default_rng(4)
+    bmax = rng.standard_normal((2, 131072)).astype(np.float32)
+    bmax[0, rng.choice(131072, 5000, replace=False)] = 2.5  # 5000 ties straddle the 2048th place
+    bmax[1, 100000:] = -np.inf
+    vals, idx = jax.lax.top_k(jnp.asarray(bmax), 2048)
+    want = np.sort(np.where(np.asarray(vals) > -np.inf, np.asarray(idx), 131072), axis=-1)
+    want = np.where(want < 131072, want, -1)
+    for digit_bits in (4, 8):
+        got = np.asarray(jax.jit(select_top_blocks, static_argnums=1, static_argnames="digit_bits")(
+            jnp.asarray(bmax), 2048, digit_bits=digit_bits))
+        np.testing.assert_array_equal(got, want, err_msg=f"digit_bits={digit_bits}")
 
 
 def test_radix_select_threshold_on_signs_zeros_and_infinities():

@@ -4,8 +4,8 @@ function with the model's ``kernel_backend``.
 
 The pass over the scores [B, S, T] is the kernel; ``lax.top_k`` over the [B, S, T / block_size] maxima
 stays in XLA (no Pallas lowering of top_k on GPU). ``backend="xla"`` is the reference;
-``backend="pallas"`` picks Triton on GPU, Mosaic TPU on TPU, and the TPU kernel in interpret mode on
-CPU (for tests).
+``backend="pallas"`` picks Mosaic GPU on GPU (``mosaic.py``; the Triton kernel ``gpu.py`` is kept for
+comparison in ``bench.py``), Mosaic TPU on TPU, and the TPU kernel in interpret mode on CPU (for tests).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.block_max import gpu, reference, select, tpu
+from pallas_kernels.block_max import mosaic, reference, select, tpu
 
 BACKENDS = ("xla", "pallas")
 
@@ -28,7 +28,7 @@ def block_max(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block
         return reference.block_max(scores, n_visible, block_size)
     platform = jax.default_backend()
     if platform == "gpu":
-        return gpu.block_max(scores, n_visible, block_size)
+        return mosaic.block_max(scores, n_visible, block_size)
     return tpu.block_max(scores, n_visible, block_size, interpret=platform != "tpu")
 
 
@@ -43,12 +43,19 @@ def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B 
     ``selection="radix"`` finds the same blocks without a sort (``select.select_top_blocks``, with
     ``digit_bits`` per pass).
     """
-    if selection not in SELECTIONS:
-        raise ValueError(f"candidate_block_ids: selection must be one of {SELECTIONS}, got {selection!r}")
     # the ids are discrete: no gradient flows back, and pallas_call need not be differentiated when the
     # scores carry one (the indexer's own loss differentiates them)
     scores = jax.lax.stop_gradient(scores)
     bmax = block_max(scores, n_visible, block_size, backend=backend)  # [B, S, NB]
+    return select_blocks(bmax, n_blocks, selection=selection, digit_bits=digit_bits)
+
+
+def select_blocks(bmax: Float[Array, "*B NB"], n_blocks: int, *, selection: str = "top_k",
+                  digit_bits: int = 4) -> Int[Array, "*B K"]:
+    """The candidate ids from block maxima: the top ``n_blocks`` (lower index first on ties) with a maximum
+    above −∞, ascending, −1 padded."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"select_blocks: selection must be one of {SELECTIONS}, got {selection!r}")
     if selection == "radix":
         return select.select_top_blocks(bmax, n_blocks, digit_bits=digit_bits)
     nb = bmax.shape[-1]

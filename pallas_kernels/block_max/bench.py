@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.bench_variants import measure
-from pallas_kernels.block_max import api, select
+from pallas_kernels.block_max import api, gpu
 
 BLOCK, TOPK = 8, 2048  # candidate_block_size, candidate_topk_blocks of the release (spec attention §6)
 # (B, S, T): prefill-like 8 queries over 1M positions; decode batches of one query each
@@ -27,6 +27,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
+    impls = {b: functools.partial(api.block_max, backend=b) for b in api.BACKENDS}  # pallas: Mosaic GPU on GPU
+    if jax.default_backend() == "gpu":
+        impls["triton"] = gpu.block_max
     for b, s, t in SHAPES:
         scores = jax.random.normal(jax.random.key(0), (b, s, t), jnp.float32)
         n = jnp.full((b, s), t, jnp.int32) - jnp.arange(b * s, dtype=jnp.int32).reshape(b, s)
@@ -34,31 +37,23 @@ def main() -> None:
         moved = scores.size * 4 + scores.size // BLOCK * 4
         run = functools.partial(measure, "block_max", args=(scores, n), shape=(b, s, t), nbytes=moved,
                                 ops=scores.size, iters=args.iters)
-        want = None
-        for backend in api.BACKENDS:
-            run(backend, lambda x, n, backend=backend: api.block_max(x, n, BLOCK, backend=backend),
-                stage="block_max")
-            for name, kw in SELECTIONS.items():
-                got = run(backend, lambda x, n, backend=backend, kw=kw: api.candidate_block_ids(
-                    x, n, BLOCK, TOPK, backend=backend, **kw), stage=f"with_{name}", want=want)
-                want = got if want is None else want
+        want = want_ids = None
+        for name, fn in impls.items():
+            got = run(name, lambda x, n, fn=fn: fn(x, n, BLOCK), stage="block_max", want=want)
+            want = got if want is None else want
+            for sel, kw in SELECTIONS.items():
+                ids = run(name, lambda x, n, fn=fn, kw=kw: api.select_blocks(fn(x, n, BLOCK), TOPK, **kw),
+                          stage=f"with_{sel}", want=want_ids)
+                want_ids = ids if want_ids is None else want_ids
         # the selection alone, from the block maxima
         bmax = api.block_max(scores, n, BLOCK)
-        for name, kw in SELECTIONS.items():
-            measure("select", "xla", lambda m, kw=kw: _select(m, **kw), args=(bmax,), shape=bmax.shape,
-                    nbytes=bmax.size * 4, ops=bmax.size, iters=args.iters, stage=name)
+        for sel, kw in SELECTIONS.items():
+            measure("select", "xla", lambda m, kw=kw: api.select_blocks(m, TOPK, **kw), args=(bmax,),
+                    shape=bmax.shape, nbytes=bmax.size * 4, ops=bmax.size, iters=args.iters, stage=sel)
 
 
 SELECTIONS = {"top_k": dict(selection="top_k"), "radix4": dict(selection="radix", digit_bits=4),
               "radix8": dict(selection="radix", digit_bits=8)}
-
-
-def _select(bmax, selection: str, digit_bits: int = 4):
-    if selection == "radix":
-        return select.select_top_blocks(bmax, TOPK, digit_bits=digit_bits)
-    nb = bmax.shape[-1]
-    vals, idx = jax.lax.top_k(bmax, min(TOPK, nb))
-    return jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,14 @@ formats (spec attention §7.2-7.4), bit-identical to ``dsv41_jax.quant``.
   per closed entry): the reference leaves the winner of a duplicate unspecified.
 
 ``backend="xla"`` is the reference (always available); ``backend="pallas"`` picks the kernel for the
-default platform: Triton on GPU, Mosaic TPU on TPU, and the TPU kernel in interpret mode on CPU (slow;
-for tests). The switch is an argument, not config state: callers pass their own ``kernel_backend``.
+default platform: Mosaic GPU on GPU (``mosaic.py``), Mosaic TPU on TPU, and the TPU kernel in interpret mode
+on CPU (slow; for tests). The switch is an argument, not config state: callers pass their own
+``kernel_backend``.
+
+On GPU the cache write is Mosaic GPU's pack followed by XLA's scatter of the packed rows, not a fused
+kernel: a Mosaic GPU kernel writes GMEM through TMA boxes of at least 16 bytes, and an MXFP4 scale row is 4.
+The Triton kernels (``gpu.py``, a deprecated lowering) stay for comparison in ``bench.py``: the fused
+Triton write is the only one that scatters from inside the kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Shaped, UInt8
 
-from pallas_kernels.fp4_pack import gpu, reference, tpu
+from pallas_kernels.fp4_pack import mosaic, reference, tpu
 
 BACKENDS = ("xla", "pallas")
 
@@ -27,7 +33,7 @@ BACKENDS = ("xla", "pallas")
 def _kernels():
     """The platform's kernel module and whether it must be interpreted (CPU)."""
     platform = jax.default_backend()
-    return (gpu, False) if platform == "gpu" else (tpu, platform != "tpu")
+    return (mosaic, False) if platform == "gpu" else (tpu, platform != "tpu")
 
 
 def _check(backend: str) -> None:

@@ -11,12 +11,13 @@ floor and faster than XLA.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import benchutil
-from pallas_kernels.fp4_pack import api, layout
+from pallas_kernels.fp4_pack import api, gpu, layout
 
 # (format, rows, lanes): main-KV writes from 4K to 128K entries x 512; index keys x 128
 SHAPES = [("nvfp4", r, 512) for r in (4096, 16384, 131072)] + [("mxfp4", r, 128) for r in (4096, 131072)]
@@ -29,6 +30,18 @@ OPS_PER_ELEMENT = 40  # integer/compare ops of the encode per element (order of 
 DECODE_OPS_PER_ELEMENT = 12  # bit assembly of value and scale, one multiply
 
 
+def _impls(op: str, fmt: str):
+    """(name, function) pairs with the api's signature: XLA, the api's kernel ("pallas": Mosaic GPU on GPU)
+    and on GPU the Triton kernel."""
+    out = [(b, functools.partial(getattr(api, f"{op}_{fmt}"), backend=b)) for b in api.BACKENDS]
+    if jax.default_backend() == "gpu":
+        triton = {"pack": lambda x: gpu.pack(x, fmt),
+                  "unpack": lambda c, s, dtype: gpu.unpack(c, s, fmt, dtype),
+                  "write": lambda cc, sc, x, i: gpu.write(cc, sc, x, i, fmt)}
+        out.append(("triton", triton[op]))
+    return out
+
+
 def _packed_bytes(fmt: str, elements: int) -> int:
     return elements // 2 + elements // layout.FORMATS[fmt]
 
@@ -37,9 +50,8 @@ def bench_pack(dtype, iters: int) -> None:
     for fmt, rows, n in SHAPES:
         x = jax.random.normal(jax.random.key(0), (rows, n), dtype)
         moved = x.size * x.dtype.itemsize + _packed_bytes(fmt, x.size)
-        fn = api.pack_nvfp4 if fmt == "nvfp4" else api.pack_mxfp4
-        for backend in api.BACKENDS:
-            f = jax.jit(lambda x, fn=fn, backend=backend: fn(x, backend=backend))
+        for backend, impl in _impls("pack", fmt):
+            f = jax.jit(impl)
             us = benchutil.median_us(f, x, iters=iters)
             benchutil.emit("fp4_pack", backend, (rows, n), us, moved, OPS_PER_ELEMENT * x.size, fmt=fmt,
                            dtype=jnp.dtype(dtype).name, op="pack")
@@ -50,9 +62,8 @@ def bench_unpack(dtype, iters: int) -> None:
         x = jax.random.normal(jax.random.key(0), (rows, n), jnp.float32)
         packed = (api.pack_nvfp4 if fmt == "nvfp4" else api.pack_mxfp4)(x)
         moved = _packed_bytes(fmt, x.size) + x.size * jnp.dtype(dtype).itemsize
-        fn = api.unpack_nvfp4 if fmt == "nvfp4" else api.unpack_mxfp4
-        for backend in api.BACKENDS:
-            f = jax.jit(lambda c, s, fn=fn, backend=backend: fn(c, s, dtype, backend=backend))
+        for backend, impl in _impls("unpack", fmt):
+            f = jax.jit(functools.partial(impl, dtype=dtype))
             us = benchutil.median_us(f, *packed, iters=iters)
             benchutil.emit("fp4_pack", backend, (rows, n), us, moved, DECODE_OPS_PER_ELEMENT * x.size, fmt=fmt,
                            dtype=jnp.dtype(dtype).name, op="unpack")
@@ -64,11 +75,10 @@ def bench_write(dtype, iters: int) -> None:
         index = (jnp.arange(s, dtype=jnp.int32)[None] * 7 + jnp.arange(b, dtype=jnp.int32)[:, None]) % t
         g = n // layout.FORMATS[fmt]
         moved = x.size * x.dtype.itemsize + _packed_bytes(fmt, x.size) + index.size * 4
-        fn = api.write_nvfp4 if fmt == "nvfp4" else api.write_mxfp4
-        for backend in api.BACKENDS:
+        for backend, impl in _impls("write", fmt):
             caches = (jnp.zeros((b, t, n // 2), jnp.uint8),
                       jnp.zeros((b, t, g), jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.uint8))
-            f = jax.jit(lambda c, x, i, fn=fn, backend=backend: fn(*c, x, i, backend=backend), donate_argnums=0)
+            f = jax.jit(lambda c, x, i, impl=impl: impl(*c, x, i), donate_argnums=0)
             us = benchutil.median_us_carry(f, caches, x, index, iters=iters)
             benchutil.emit("fp4_pack", backend, (b, s, t, n), us, moved, OPS_PER_ELEMENT * x.size, fmt=fmt,
                            dtype=jnp.dtype(dtype).name, op="write")

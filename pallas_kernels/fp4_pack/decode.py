@@ -44,7 +44,7 @@ def e8m0_value(byte):
     return _f32(jnp.where(byte == 0, 1 << 22, jnp.where(byte == 255, _QUIET_NAN, byte << 23)))
 
 
-_SCALE_FNS = {"nvfp4": e4m3_value, "mxfp4": e8m0_value}
+SCALE_FNS = {"nvfp4": e4m3_value, "mxfp4": e8m0_value}
 
 
 def unpack_tile(packed, scale_bytes, fmt: str):
@@ -52,5 +52,5 @@ def unpack_tile(packed, scale_bytes, fmt: str):
 
     Element 2i is the low nibble (spec attention §7.4); each is its grid value times the group's scale.
     """
-    scale = _SCALE_FNS[fmt](scale_bytes)[..., None]
+    scale = SCALE_FNS[fmt](scale_bytes)[..., None]
     return e2m1_value(packed & 0xF) * scale, e2m1_value(packed >> 4) * scale

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_stream as ms
-from pallas_kernels.fp4_pack import layout, thresholds
+from pallas_kernels.fp4_pack import decode, layout, reference, thresholds
 
 _SCALE_PIECE = 256  # bytes per TMA store of the flat scale view (the TMA box limit), else 128
 _ABS, _HI_HALF = 0x7FFFFFFF, -65536  # |x| mask; 0xFFFF0000 as int32
@@ -209,8 +209,8 @@ def _kernel_body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
     return body
 
 
-STEP_BYTES = 24 * 1024  # input bytes per TMA tile by default: 3 stages + outputs ~ 90 KB of SMEM per CTA,
-# so two CTAs fit an SM (228 KB)
+STEP_BYTES = 16 * 1024  # input bytes per TMA tile by default: with 2 stages and the outputs ~ 45 KB of SMEM
+# per CTA, three CTAs per SM; the fastest setting measured on the H200 at 128K x 512 (BENCHMARKS.md)
 
 
 def default_rows_per_step(r: int, n: int, block: int, split: bool, n_ctas: int, step_bytes: int = STEP_BYTES) -> int:
@@ -236,7 +236,7 @@ def _to_kernel_input(x, block: int):
 @functools.partial(jax.jit, static_argnames=("fmt", "rows_per_step", "step_bytes", "chunk", "stages",
                                              "ctas_per_sm", "layout_name", "no_auto_barriers", "interpret"))
 def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STEP_BYTES, chunk: int = 128,
-         stages: int = 3, ctas_per_sm: int = 2, layout_name: str = "rows", no_auto_barriers: bool = False,
+         stages: int = 2, ctas_per_sm: int = 3, layout_name: str = "rows", no_auto_barriers: bool = True,
          interpret: bool = False):
     """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit.
 
@@ -274,3 +274,172 @@ def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STE
                               no_auto_barriers=no_auto_barriers)(xin)
     codes = codes.reshape(geo.rows_out, geo.g, geo.p)[:r]
     return layout.join(lead, codes, scales.reshape(geo.scale_rows, geo.g)[:r], fmt)
+
+
+def write(codes_cache, scales_cache, x, index, fmt: str, *, interpret: bool = False, **tuning):
+    """``fp4_pack.api.write_*``: the new rows packed by :func:`pack`, then scattered to their slots by XLA.
+
+    Not fused: Mosaic GPU stores leave SMEM through TMA boxes of >= 16 bytes, and an MXFP4 scale row is 4
+    bytes, so rows cannot go to their slots one by one from the kernel. The scatter moves only the packed
+    bytes (a quarter of the input's for bf16); with the caches donated it updates them in place.
+    """
+    codes, scales = pack(x, fmt, interpret=interpret, **tuning)
+    return reference.write_rows(codes_cache, codes, index), reference.write_rows(scales_cache, scales, index)
+
+
+# ------------------------------------------------------------------------------------------------
+# unpack: packed nibbles + scale bytes -> values (the inverse of pack, bit-identical to quant.unpack_*)
+
+
+class _UnpackGeometry:
+    """Static shapes of one unpack call. GMEM views (TMA boxes: innermost extent >= 16 bytes, <= 256
+    elements per dimension): codes [R, N/2] bytes (or [R, N/512, 256]); scale bytes flat in rows of 16
+    ([ceil(R G / 16), 16], padded by XLA, a tile's G·rows bytes being whole rows of it); output bf16 pairs
+    as 32-bit words [R, N/2] (or [R, N/512, 256]), or for other dtypes fp32 [R, N] (or [R, N/256, 256])
+    holding each group's [evens | odds], which XLA interleaves after (one extra pass, as pack's fp32 input).
+    In SMEM every buffer is declared in its register view ([tile groups, P], P bytes or words per group),
+    and TMA reaches it through a reshape to the box, so no ref reshape splits a minor dimension."""
+
+    def __init__(self, r: int, n: int, fmt: str, split: bool, rows_per_step: int, chunk: int):
+        block = layout.FORMATS[fmt]
+        self.r, self.n, self.fmt, self.split = r, n, fmt, split
+        self.g, self.p, half = n // block, block // 2, n // 2
+        self.br = min(rows_per_step, 256)
+        self.bm = self.br * self.g
+        self.chunk = max((c for c in range(128, min(chunk, self.bm) + 1, 128) if self.bm % c == 0), default=chunk)
+        wide = lambda v: (v,) if v <= 256 else (v // 256, 256)  # noqa: E731
+        self.codes_view = (r, *wide(half))
+        self.scale_rows = -(-r * self.g // 16)
+        self.out_view = (r, *wide(n if split else half))
+        problems = []
+        if half % 16 or (half > 256 and half % 256):
+            problems.append(f"N/2 ({half}) must be a multiple of 16 and at most 256 or a multiple of 256")
+        if split and n > 256 and n % 256:
+            problems.append(f"N ({n}) must be at most 256 or a multiple of 256 for a non-bf16 output")
+        if self.bm % 128 or self.bm > 4096:
+            problems.append(f"groups per tile ({self.bm} = rows_per_step x {self.g}) must be a multiple of 128 "
+                            "and at most 4096")
+        if self.chunk % 128 or self.bm % self.chunk:
+            problems.append(f"chunk ({self.chunk}) must be a multiple of 128 dividing the groups per tile")
+        if problems:
+            raise ValueError(f"fp4_pack mosaic unpack ({fmt}, N={n}, rows_per_step={rows_per_step}, "
+                             f"chunk={chunk}): " + "; ".join(problems))
+        self.n_tiles = -(-r // self.br)
+        self.rows_out = r
+
+    def pad_outputs(self):
+        self.rows_out = self.n_tiles * self.br
+        self.out_view = (self.rows_out, *self.out_view[1:])
+
+    @property
+    def smem(self):
+        """Per-slot register views (compiled) and TMA boxes (interpreted / for the copies)."""
+        out = (self.bm, 2, self.p) if self.split else (self.bm, self.p)
+        return (self.bm, self.p), (self.bm,), out
+
+    @property
+    def boxes(self):
+        return (self.br, *self.codes_view[1:]), (self.bm // 16, 16), (self.br, *self.out_view[1:])
+
+
+def _unpack_body(geo: _UnpackGeometry, interpret: bool, n_ctas: int, stages: int):
+    rows = functools.partial(pl.ds, size=geo.br)
+    c_box, s_box, o_box = geo.boxes
+    scale_fn = decode.SCALE_FNS[geo.fmt]
+
+    def view(ref, box):
+        return ref if interpret else ref.reshape(*box)
+
+    def body(c_gmem, s_gmem, o_gmem, c_buf, s_buf, o_buf, barrier):
+        def load(t, slot):
+            plgpu.copy_gmem_to_smem(c_gmem.at[rows(t * geo.br)], view(c_buf.at[slot], c_box), barrier.at[slot])
+            plgpu.copy_gmem_to_smem(s_gmem.at[pl.ds(t * (geo.bm // 16), geo.bm // 16)],
+                                    view(s_buf.at[slot], s_box), barrier.at[slot])
+
+        def store(t, buf):
+            plgpu.copy_smem_to_gmem(view(o_buf.at[buf], o_box), o_gmem.at[rows(t * geo.br)])
+
+        def words(even, odd):  # fp32 values exact in bf16: truncation is the rounding (NaN: canonical)
+            bits = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.int32)
+            return (bits(odd) & _HI_HALF) | lax.shift_right_logical(bits(even), 16)
+
+        def compute(t, slot, buf):
+            del t
+            if interpret:  # whole tile, value reshapes
+                c = c_buf[slot].reshape(geo.bm, geo.p).astype(jnp.int32)
+                sb = s_buf[slot].reshape(geo.bm).astype(jnp.int32)
+                even, odd = decode.unpack_tile(c, sb, geo.fmt)
+                out = jnp.stack([even, odd], axis=1) if geo.split else words(even, odd)
+                o_buf[buf] = out.reshape(o_box)
+                return
+            reg = rows_layout(geo.p)
+            shape = (geo.chunk, geo.p)
+            cs, ss, os_ = c_buf.at[slot], s_buf.at[slot], o_buf.at[buf]
+
+            def one_chunk(i, carry):
+                sl = pl.ds(i * geo.chunk, geo.chunk)
+                c = ms.load(cs.at[sl], reg).astype(jnp.int32)
+                scale = scale_fn(ms.load(ss.at[sl], reg.reduce(1)).astype(jnp.int32))
+                scale = plgpu.layout_cast(lax.broadcast_in_dim(scale, shape, (0,)), reg)
+                even, odd = decode.e2m1_value(c & 0xF) * scale, decode.e2m1_value(c >> 4) * scale
+                if geo.split:
+                    os_.at[sl, 0][...] = even
+                    os_.at[sl, 1][...] = odd
+                else:
+                    os_.at[sl][...] = words(even, odd)
+                return carry
+
+            lax.fori_loop(0, geo.bm // geo.chunk, one_chunk, 0)
+
+        ms.stream(n_tiles=geo.n_tiles, n_ctas=n_ctas, stages=stages, barrier=barrier,
+                  load=load, compute=compute, store=store)
+
+    return body
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "dtype", "rows_per_step", "chunk", "stages", "ctas_per_sm",
+                                             "no_auto_barriers", "interpret"))
+def unpack(codes, scales, fmt: str, dtype=jnp.float32, *, rows_per_step: int | None = None, chunk: int = 128,
+           stages: int = 2, ctas_per_sm: int = 3, no_auto_barriers: bool = True, interpret: bool = False):
+    """Packed nibbles [..., N/2] and scales [..., G] -> the ``quant.unpack_<fmt>`` values, bit for bit.
+
+    bf16 output is written as pairs of lanes in 32-bit words; other dtypes go through fp32 halves that XLA
+    interleaves (and casts). Tuning as :func:`pack`; ``rows_per_step`` defaults to ~16 KB of output words.
+    """
+    block = layout.FORMATS[fmt]
+    c, sb = layout.split_codes(codes, scales, block)
+    r, g, p = c.shape
+    n = g * block
+    dtype = jnp.dtype(dtype)
+    if r == 0:
+        return jnp.zeros((*codes.shape[:-1], n), dtype)
+    split = dtype != jnp.bfloat16
+    if rows_per_step is None:
+        unit = 128 // math.gcd(128, g)
+        want = STEP_BYTES // (n * 2)
+        want = min(want, max(unit, r // (ctas_per_sm * ms.num_sms())))
+        rows_per_step = min(max(unit, want // unit * unit), 4096 // g // unit * unit)
+    geo = _UnpackGeometry(r, n, fmt, split, rows_per_step, chunk)
+    if interpret:
+        geo.pad_outputs()
+    n_ctas = min(geo.n_tiles, ctas_per_sm * ms.num_sms())
+    flat = sb.reshape(r * g)
+    flat = jnp.pad(flat, (0, geo.scale_rows * 16 - r * g)).reshape(geo.scale_rows, 16)
+    c_view = c.reshape(geo.codes_view)
+    c_smem, s_smem, o_smem = geo.boxes if interpret else geo.smem
+    out_dtype = jnp.float32 if split else jnp.int32
+    scratch = [
+        plgpu.SMEM((stages, *c_smem), jnp.uint8),
+        plgpu.SMEM((stages, *s_smem), jnp.uint8),
+        plgpu.SMEM((2, *o_smem), out_dtype),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    ]
+    out = ms.kernel(_unpack_body(geo, interpret, n_ctas, stages),
+                    out_type=jax.ShapeDtypeStruct(geo.out_view, out_dtype), scratch_types=scratch,
+                    n_ctas=n_ctas, interpret=interpret, no_auto_barriers=no_auto_barriers)(c_view, flat)
+    out = out.reshape(geo.rows_out, -1)[:r]
+    if split:
+        out = jnp.swapaxes(out.reshape(r, g, 2, p), -1, -2).astype(dtype)
+    else:
+        out = lax.bitcast_convert_type(out, jnp.bfloat16)  # [r, N/2, 2]: word i = lanes (2i, 2i + 1)
+    return out.reshape(*codes.shape[:-1], n)

@@ -17,7 +17,7 @@ import pytest
 
 from dsv41_jax import quant
 from pallas_kernels import fp4_pack
-from pallas_kernels.fp4_pack import gpu, reference, tpu
+from pallas_kernels.fp4_pack import gpu, mosaic, reference, tpu
 
 UNPACK = {"nvfp4": quant.unpack_nvfp4, "mxfp4": quant.unpack_mxfp4}
 WRITE = {"nvfp4": reference.write_nvfp4, "mxfp4": reference.write_mxfp4}
@@ -27,10 +27,12 @@ SCALE_DTYPE = {"nvfp4": jnp.float8_e4m3fn, "mxfp4": jnp.uint8}
 UNPACK_IMPLS = {
     "tpu_interpret": functools.partial(tpu.unpack, rows_per_step=32, interpret=True),
     "gpu_interpret": functools.partial(gpu.unpack, rows_per_step=32, interpret=True),
+    "mosaic_interpret": functools.partial(mosaic.unpack, interpret=True),
 }
 WRITE_IMPLS = {
     "tpu_interpret": functools.partial(tpu.write, rows_per_step=4, interpret=True),
     "gpu_interpret": functools.partial(gpu.write, rows_per_step=4, interpret=True),
+    "mosaic_interpret": functools.partial(mosaic.write, interpret=True),
 }
 
 
@@ -174,16 +176,25 @@ def test_tpu_kernels_lower_to_mosaic():
             assert "tpu_custom_call" in text
 
 
+GPU_UNPACK = {"triton": (gpu.unpack, (1, 16, 64)), "mosaic": (mosaic.unpack, (None, 32, 128))}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128)])
-def test_gpu_unpack_on_device(fmt, n):
+@pytest.mark.parametrize("impl", sorted(GPU_UNPACK))
+@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 1024)])
+def test_gpu_unpack_on_device(impl, fmt, n):
+    fn, tilings = GPU_UNPACK[impl]
     codes, scales = _every_pair(fmt, n)
     big = _random_codes(fmt, (4099, n), 3)  # ragged last tile
     for dtype in (jnp.float32, jnp.bfloat16):
-        for rows_per_step in (1, 16, 64):
-            assert_bits(gpu.unpack(codes, scales, fmt, dtype, rows_per_step=rows_per_step),
+        for rows_per_step in tilings:
+            if impl == "mosaic" and rows_per_step and rows_per_step * n // BLOCK[fmt] > 4096:
+                continue
+            assert_bits(fn(codes, scales, fmt, dtype, rows_per_step=rows_per_step),
                         UNPACK[fmt](codes, scales, dtype), f"every pair, {jnp.dtype(dtype).name}, {rows_per_step}")
-        assert_bits(gpu.unpack(*big, fmt, dtype), UNPACK[fmt](*big, dtype), "4099 rows")
+        assert_bits(fn(*big, fmt, dtype), UNPACK[fmt](*big, dtype), "4099 rows")
+        assert_bits(fn(*_random_codes(fmt, (3, n), 4), fmt, dtype), UNPACK[fmt](*_random_codes(fmt, (3, n), 4), dtype),
+                    "3 rows")
     fn = fp4_pack.unpack_nvfp4 if fmt == "nvfp4" else fp4_pack.unpack_mxfp4
     assert_bits(fn(*big, backend="pallas"), UNPACK[fmt](*big))
 
@@ -200,3 +211,5 @@ def test_gpu_write_on_device(fmt, n):
                 got = gpu.write(codes, scales, xd, index, fmt, rows_per_step=rows_per_step)
                 for g, w, name in zip(got, want, ("codes", "scales"), strict=True):
                     assert_bits(g, w, f"{name} {(b, t, s)} {jnp.dtype(dtype).name} {rows_per_step}")
+            for g, w, name in zip(mosaic.write(codes, scales, xd, index, fmt), want, ("codes", "scales"), strict=True):
+                assert_bits(g, w, f"mosaic {name} {(b, t, s)} {jnp.dtype(dtype).name}")

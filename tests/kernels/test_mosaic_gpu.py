@@ -284,7 +284,7 @@ def _lowers(fn, *avals) -> str:
 
 
 FP4_VARIANTS = [dict(), dict(layout_name="wgmma", chunk=64), dict(rows_per_step=16, chunk=256, stages=2),
-                dict(no_auto_barriers=True, ctas_per_sm=3)]
+                dict(no_auto_barriers=False, ctas_per_sm=2, stages=3, step_bytes=24576)]
 
 
 def _fp4_variant(i: int, fmt: str, n: int) -> dict:
@@ -302,6 +302,15 @@ def _fp4_variant(i: int, fmt: str, n: int) -> dict:
 def test_fp4_lowers_to_mosaic_gpu(variant, fmt, n, dtype):
     kw = _fp4_variant(variant, fmt, n)
     _lowers(functools.partial(fp4_mosaic.pack, fmt=fmt, **kw), jax.ShapeDtypeStruct((300, n), dtype))
+
+
+@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 1024), ("mxfp4", 64)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_unpack_lowers_to_mosaic_gpu(fmt, n, dtype):
+    g = n // BLOCK[fmt]
+    scale_dtype = jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.uint8
+    _lowers(functools.partial(fp4_mosaic.unpack, fmt=fmt, dtype=dtype), jax.ShapeDtypeStruct((300, n // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((300, g), scale_dtype))
 
 
 BM_VARIANTS = [dict(), dict(layout_name="wgmma", chunk_blocks=256), dict(positions_per_step=16384, stages=2),
@@ -325,6 +334,8 @@ def test_bad_tilings_are_refused():
         fp4_mosaic.pack(jnp.zeros((8, 16)), "nvfp4")  # 8 code bytes per row: below a TMA row
     with pytest.raises(ValueError, match="block_size"):
         bm_mosaic.block_max(jnp.zeros((1, 1, 64)), jnp.ones((1, 1), jnp.int32), 6)
+    with pytest.raises(ValueError, match="groups per tile"):
+        fp4_mosaic.unpack(jnp.zeros((8, 64), jnp.uint8), jnp.zeros((8, 8), jnp.uint8), "nvfp4", rows_per_step=8)
 
 
 # ------------------------------------------------------------------------------------------------

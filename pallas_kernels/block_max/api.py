@@ -32,16 +32,19 @@ def block_max(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block
     return tpu.block_max(scores, n_visible, block_size, interpret=platform != "tpu")
 
 
-SELECTIONS = ("top_k", "radix")
+SELECTIONS = ("auto", "top_k", "radix")
+# "auto" takes the radix select from this many blocks per row: on the H200 it was 1.7x faster than top_k at
+# 131072 blocks x 8 rows and 3.1x at x 32 rows, and 10% slower at 16384 blocks x 128 rows (BENCHMARKS.md)
+RADIX_MIN_BLOCKS = 32768
 
 
 def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
-                        n_blocks: int, *, backend: str = "xla", selection: str = "top_k",
+                        n_blocks: int, *, backend: str = "xla", selection: str = "auto",
                         digit_bits: int = 4) -> Int[Array, "B S K"]:
     """Per query, the top ``n_blocks`` blocks by block max (newest visible block pinned), dropping blocks
     with no visible score; ascending, −1 padded. Ties go to the lower block index (``lax.top_k``, spec §6.3).
     ``selection="radix"`` finds the same blocks without a sort (``select.select_top_blocks``, with
-    ``digit_bits`` per pass).
+    ``digit_bits`` per pass); ``"auto"`` uses it from ``RADIX_MIN_BLOCKS`` blocks per row, else ``top_k``.
     """
     # the ids are discrete: no gradient flows back, and pallas_call need not be differentiated when the
     # scores carry one (the indexer's own loss differentiates them)
@@ -50,12 +53,14 @@ def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B 
     return select_blocks(bmax, n_blocks, selection=selection, digit_bits=digit_bits)
 
 
-def select_blocks(bmax: Float[Array, "*B NB"], n_blocks: int, *, selection: str = "top_k",
+def select_blocks(bmax: Float[Array, "*B NB"], n_blocks: int, *, selection: str = "auto",
                   digit_bits: int = 4) -> Int[Array, "*B K"]:
     """The candidate ids from block maxima: the top ``n_blocks`` (lower index first on ties) with a maximum
     above −∞, ascending, −1 padded."""
     if selection not in SELECTIONS:
         raise ValueError(f"select_blocks: selection must be one of {SELECTIONS}, got {selection!r}")
+    if selection == "auto":
+        selection = "radix" if bmax.shape[-1] >= RADIX_MIN_BLOCKS else "top_k"
     if selection == "radix":
         return select.select_top_blocks(bmax, n_blocks, digit_bits=digit_bits)
     nb = bmax.shape[-1]

@@ -98,7 +98,7 @@ def test_radix_selection_equals_top_k(ties, digit_bits):
         scores, n = _scores(rng, b, s, t, ties=ties)
         nb = -(-t // bs)
         for k in sorted({1, 3, max(1, nb // 3), nb, nb + 5}):
-            want = bm.candidate_block_ids(scores, n, bs, k)
+            want = bm.candidate_block_ids(scores, n, bs, k, selection="top_k")
             got = bm.candidate_block_ids(scores, n, bs, k, selection="radix", digit_bits=digit_bits)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{(b, s, t, bs)} k={k}")
 
@@ -130,6 +130,9 @@ def test_radix_select_at_the_release_width():
         got = np.asarray(jax.jit(select_top_blocks, static_argnums=1, static_argnames="digit_bits")(
             jnp.asarray(bmax), 2048, digit_bits=digit_bits))
         np.testing.assert_array_equal(got, want, err_msg=f"digit_bits={digit_bits}")
+    assert bmax.shape[-1] >= bm.RADIX_MIN_BLOCKS  # "auto" (the default) takes the radix path here
+    np.testing.assert_array_equal(np.asarray(jax.jit(bm.select_blocks, static_argnums=1)(jnp.asarray(bmax), 2048)),
+                                  want)
 
 
 def test_radix_select_threshold_on_signs_zeros_and_infinities():

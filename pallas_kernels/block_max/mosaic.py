@@ -9,11 +9,10 @@ stays inside the thread; the newest visible block ``(n_p - 1) // block_size`` (w
 
 GMEM views (TMA boxes need an innermost extent of >= 16 bytes and <= 256 elements per dimension):
 scores [R, Tp / K, K] and maxima [R, Tp / K, ko], with ko maxima per box row (ko * itemsize >= 16
-bytes) and K = block_size * ko positions. Both are free reshapes when T is a multiple of K (64 for
-block_size 8 in f32 or bf16). Otherwise XLA pads the scores with -inf up to Tp (one extra copy of the
-input; -inf is the reference's own padding) and slices the maxima. The last tile of a row may overhang
-Tp: TMA zero-fills those loads, and the maxima computed from them fall past the output row, where the
-TMA store drops them.
+bytes) and K = block_size * ko positions; Tp is T rounded up to whole tiles. Both are free reshapes when T
+is a multiple of the tile (8192 positions by default). Otherwise XLA pads the scores with -inf up to Tp
+(one extra copy of the input; -inf is the reference's own padding) and slices the maxima: no box overhangs
+the arrays.
 """
 
 from __future__ import annotations
@@ -63,12 +62,15 @@ class _Geometry:
                              f"{positions_per_step}, chunk_blocks={chunk_blocks}, layout={lay}): "
                              + "; ".join(problems))
         self.tiles_per_row = -(-self.tp // self.tt)
+        # rows padded to whole tiles: no TMA box overhangs the middle axis of the [R, Tp / K, K] view (on the
+        # H200 such loads shifted the tile's data instead of zero-filling its tail: 2026-12-01, T = 37, 2053)
+        self.tp = self.tiles_per_row * self.tt
+        self.nbp = self.tp // block_size
         self.n_tiles = r * self.tiles_per_row
         self.rows_out = self.nbp
 
     def pad_outputs(self):
-        """Interpret mode drops a partially out-of-bounds store where TMA clips it: pad rows to whole tiles."""
-        self.rows_out = self.tiles_per_row * self.nbt
+        """Kept for the interpreter's call: outputs are whole tiles already."""
 
     def reg_layout(self):
         return rows_layout(self.bs) if self.layout == "rows" else plgpu.Layout.WGMMA

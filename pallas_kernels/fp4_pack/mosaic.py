@@ -45,6 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import mosaic_stream as ms
 from pallas_kernels.fp4_pack import decode, layout, reference, thresholds
 
+_SMEM_BYTES = 232448  # per CTA on the H100 / H200 (227 KB)
 _SCALE_PIECE = 256  # bytes per TMA store of the flat scale view (the TMA box limit), else 128
 _ABS, _HI_HALF = 0x7FFFFFFF, -65536  # |x| mask; 0xFFFF0000 as int32
 
@@ -321,6 +322,8 @@ class _UnpackGeometry:
                             "and at most 4096")
         if self.chunk % 128 or self.bm % self.chunk:
             problems.append(f"chunk ({self.chunk}) must be a multiple of 128 dividing the groups per tile")
+        out_bytes = 4 * self.p * (2 if split else 1)  # per group
+        self.smem_bytes = lambda stages: stages * self.bm * (self.p + 1) + 2 * self.bm * out_bytes  # noqa: E731
         if problems:
             raise ValueError(f"fp4_pack mosaic unpack ({fmt}, N={n}, rows_per_step={rows_per_step}, "
                              f"chunk={chunk}): " + "; ".join(problems))
@@ -420,6 +423,9 @@ def unpack(codes, scales, fmt: str, dtype=jnp.float32, *, rows_per_step: int | N
         want = min(want, max(unit, r // (ctas_per_sm * ms.num_sms())))
         rows_per_step = min(max(unit, want // unit * unit), 4096 // g // unit * unit)
     geo = _UnpackGeometry(r, n, fmt, split, rows_per_step, chunk)
+    if geo.smem_bytes(stages) > _SMEM_BYTES:
+        raise ValueError(f"fp4_pack mosaic unpack ({fmt}, N={n}, {dtype.name}): rows_per_step={rows_per_step} "
+                         f"with {stages} stages needs {geo.smem_bytes(stages)} bytes of SMEM, over {_SMEM_BYTES}")
     if interpret:
         geo.pad_outputs()
     n_ctas = min(geo.n_tiles, ctas_per_sm * ms.num_sms())

@@ -336,6 +336,8 @@ def test_bad_tilings_are_refused():
         bm_mosaic.block_max(jnp.zeros((1, 1, 64)), jnp.ones((1, 1), jnp.int32), 6)
     with pytest.raises(ValueError, match="groups per tile"):
         fp4_mosaic.unpack(jnp.zeros((8, 64), jnp.uint8), jnp.zeros((8, 8), jnp.uint8), "nvfp4", rows_per_step=8)
+    with pytest.raises(ValueError, match="SMEM"):  # 4096 groups x 64 bytes of fp32 output, double-buffered
+        fp4_mosaic.unpack(jnp.zeros((8, 256), jnp.uint8), jnp.zeros((8, 32), jnp.uint8), "nvfp4", rows_per_step=128)
 
 
 # ------------------------------------------------------------------------------------------------

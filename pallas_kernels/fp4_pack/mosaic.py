@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -259,7 +260,7 @@ def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STE
     max_ctas = ctas_per_sm * ms.num_sms()
     if rows_per_step is None:
         rows_per_step = default_rows_per_step(r, n, block, split, max_ctas, step_bytes)
-    geo = _Geometry(r, n, fmt, split, rows_per_step, chunk, layout_name)
+    geo = _Geometry(r, n, fmt, split, operator.index(rows_per_step), chunk, layout_name)
     if interpret:
         geo.pad_outputs()
     n_ctas = min(geo.n_tiles, max_ctas)
@@ -422,7 +423,7 @@ def unpack(codes, scales, fmt: str, dtype=jnp.float32, *, rows_per_step: int | N
         want = STEP_BYTES // (n * 2)
         want = min(want, max(unit, r // (ctas_per_sm * ms.num_sms())))
         rows_per_step = min(max(unit, want // unit * unit), 4096 // g // unit * unit)
-    geo = _UnpackGeometry(r, n, fmt, split, rows_per_step, chunk)
+    geo = _UnpackGeometry(r, n, fmt, split, operator.index(rows_per_step), chunk)
     if geo.smem_bytes(stages) > _SMEM_BYTES:
         raise ValueError(f"fp4_pack mosaic unpack ({fmt}, N={n}, {dtype.name}): rows_per_step={rows_per_step} "
                          f"with {stages} stages needs {geo.smem_bytes(stages)} bytes of SMEM, over {_SMEM_BYTES}")

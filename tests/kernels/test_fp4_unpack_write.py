@@ -9,6 +9,7 @@ slots at the end of the cache, dropped rows, negative slots and sequences of dif
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -189,7 +190,7 @@ def test_gpu_unpack_on_device(impl, fmt, n):
     for dtype in (jnp.float32, jnp.bfloat16):
         for rows_per_step in tilings:
             if impl == "mosaic" and rows_per_step:  # whole multiples of 128 groups per tile
-                rows_per_step *= 128 // np.gcd(128, n // BLOCK[fmt])
+                rows_per_step *= 128 // math.gcd(128, n // BLOCK[fmt])
             assert_bits(fn(codes, scales, fmt, dtype, rows_per_step=rows_per_step),
                         UNPACK[fmt](codes, scales, dtype), f"every pair, {jnp.dtype(dtype).name}, {rows_per_step}")
         assert_bits(fn(*big, fmt, dtype), UNPACK[fmt](*big, dtype), "4099 rows")

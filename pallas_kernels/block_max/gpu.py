@@ -1,11 +1,8 @@
-"""block_max on GPU through the Pallas Triton lowering.
+"""block_max on GPU through the Pallas Triton lowering (deprecated in jax 0.11): a comparison only.
 
-Why Triton and not Mosaic GPU (the supported path in jax 0.11): written without a GPU to test on, and
-the Triton lowering of a plain ``pallas_call`` can be checked on a CPU-only jaxlib
-(``lower(lowering_platforms=("cuda",))`` emits Triton IR) and shares its body with the TPU kernel that
-interpret mode validates exactly. The pass is a pure streaming max (no MMA, no shared-memory staging
-to tune), which is what Triton handles well; a Mosaic GPU port would only change the memory plumbing.
-``top_k`` stays in XLA in ``api.py``: neither GPU lowering has it (notes/PLATFORM.md).
+``api.py`` runs the Mosaic GPU kernel (``mosaic.py``) on GPU. This one came first, when the Triton lowering
+was the one whose output could be checked on a CPU-only jaxlib, and is kept because ``bench.py`` times it
+beside the Mosaic kernel and XLA on the device (they are within 10–25% of each other; BENCHMARKS.md).
 
 Triton needs power-of-two block shapes: row and position tiles are powers of two, so ``block_size``
 must be one too (8 in the release). The Pallas Triton lowering does not mask blocks that overhang the

@@ -1,13 +1,10 @@
-"""fp4_pack on GPU through the Pallas Triton lowering.
+"""fp4_pack on GPU through the Pallas Triton lowering (deprecated in jax 0.11): a comparison only.
 
-Why Triton and not Mosaic GPU (the supported path in jax 0.11): this kernel was written without a GPU
-to test on, and the Triton lowering of a plain ``pallas_call`` is the one whose lowering can be checked
-on a CPU-only jaxlib (``lower(lowering_platforms=("cuda",))`` emits Triton IR without a device) and
-whose body is shared, op for op, with the TPU kernel that interpret mode validates bit for bit. Mosaic
-GPU needs ``plgpu.kernel`` with explicit warpgroup layouts and SMEM/TMA staging that cannot be
-validated here. The body already meets Mosaic GPU's constraints on Hopper (integer-arithmetic E2M1 and
-E4M3 encoding, no fp4/fp8 casts, no float divide), so a port only changes the memory plumbing; do it
-once the GPU tests here pass and bench.py gives the Triton baseline.
+``api.py`` runs the Mosaic GPU kernels (``mosaic.py``) on GPU: on the H200 its pack is 2.6–3.4× faster than
+this one and its unpack and write are within 5% (BENCHMARKS.md). These came first, when the Triton lowering
+was the one whose output could be checked on a CPU-only jaxlib, and stay because ``bench.py`` times them
+beside Mosaic GPU and XLA, and because ``write`` here is the one kernel that scatters rows to their cache
+slots from inside (Mosaic GPU's TMA stores need rows of at least 16 bytes; an MXFP4 scale row is 4).
 
 Triton needs power-of-two block shapes: the row tile is rounded up to one, and G, block//2 and 2 are
 powers of two for both formats. The Pallas Triton lowering does not mask blocks that overhang the array

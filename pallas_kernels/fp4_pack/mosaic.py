@@ -26,8 +26,11 @@ TMA boxes need an innermost extent of >= 16 bytes and <= 256 elements per dimens
 GMEM views: input [R, G, P] words (or [R, G, 2, P]), codes [R, N/2] bytes (or [R, N/512, 256]), scales
 [R, G] bytes when G is a multiple of 16, else flat [R * G] bytes stored in 256-byte pieces. The last
 row tile overhangs R: TMA zero-fills its loads and drops its stores, except for the flat scale view, which
-is padded to whole tiles (an overhanging 1-D piece wrote wrong scale bytes on the H200; the padded layout
-has not yet run there).
+is padded to whole tiles (an overhanging 1-D piece wrote wrong scale bytes on the H200; padded, the 3- and
+4099-row MXFP4 cases are exact there).
+
+The module also holds ``unpack`` (the inverse, same streaming loop) and ``write`` (pack, then XLA's scatter
+of the packed rows), so that on GPU every cache-format op of ``api`` runs through Mosaic GPU.
 """
 
 from __future__ import annotations

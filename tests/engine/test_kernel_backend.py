@@ -102,10 +102,12 @@ def test_training_forward_is_bit_identical(models):
 
 @pytest.mark.gpu
 def test_engine_backends_agree_on_device(models):
-    """The same comparison on the GPU (Triton kernels). The kernels are bit-exact there too (tests/kernels), but
-    XLA:GPU fuses the jnp pack / unpack into their neighbours (the index-score and attention GEMMs among them),
-    so the two programs may round differently around the kernels; logits are held to the golden GPU recipe
-    (tests/test_gpu.py) and the line printed says whether they came out bit-equal."""
+    """The same comparison on the GPU (Mosaic GPU kernels). The kernels are bit-exact there too (tests/kernels),
+    but XLA:GPU fuses the jnp pack / unpack into their neighbours (the index-score and attention GEMMs among
+    them), so the two programs may round differently around the kernels, and a value that lands on a rounding
+    boundary of the cache format can then differ by one code in a later step; logits are held to the golden GPU
+    recipe (tests/test_gpu.py) and the line printed says whether logits and caches came out bit-equal
+    (2026-12-01, H200: neither; logits within 2.4e-6, row-relative 7.4e-7)."""
     with jax.default_matmul_precision("highest"):
         want, want_cache, _, _ = _generate(models["xla"])
         got, got_cache, _, _ = _generate(models["pallas"])

@@ -65,9 +65,9 @@ class AttentionConfig:
     original_seq_len: int = 65536
     cache_quant: CacheQuant = field(default_factory=CacheQuant)
     # which implementation runs the cache-format and candidate-selection passes (ARCHITECTURE decision 10):
-    # "xla" (the jnp reference) or "pallas" (pallas_kernels: Triton on GPU, Mosaic on TPU, interpreted on
-    # CPU). The kernels are bit-exact, so this changes speed, never numbers. A runtime choice, not part of
-    # the HF config.json.
+    # "xla" (the jnp reference) or "pallas" (pallas_kernels: Mosaic GPU on GPU, Mosaic TPU on TPU, interpreted
+    # on CPU). The kernels are bit-exact on their inputs; around them XLA:GPU may round its neighbouring ops
+    # differently (logits within ~1e-6 on the H200). A runtime choice, not part of the HF config.json.
     kernel_backend: str = "xla"
 
     @property

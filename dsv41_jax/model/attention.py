@@ -39,6 +39,22 @@ class Shared(NamedTuple):
     indexer: IndexerStats | None = None  # of the index source that just ran, when asked for
 
 
+class PrefixReuse(NamedTuple):
+    """A KV source's global KV from the prefix cache, and each row's hit length (spec §9.4)."""
+
+    main_kv: Float[Array, "B C H"]
+    index_k: Float[Array, "B C I"]
+    hit: Int[Array, "B"]
+
+
+def reuse_prefix(shared: Shared, reuse: PrefixReuse, ratio: int) -> Shared:
+    """Entries whose group ``[j·m, j·m + m)`` ends before the hit come from the prefix cache (§9.4): the
+    replay never rewrites them; a group straddling the hit is written from the replayed rows."""
+    kept = ((jnp.arange(reuse.main_kv.shape[1]) + 1) * ratio <= reuse.hit[:, None])[..., None]  # [B, C, 1]
+    return shared._replace(main_kv=jnp.where(kept, reuse.main_kv, shared.main_kv),
+                           index_k=jnp.where(kept, reuse.index_k, shared.index_k))
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: AttentionConfig, spec: LayerSpec, dim: int, norm_eps: float, *, dtype, param_dtype,
                  rngs: nnx.Rngs, native: bool = False):
@@ -66,35 +82,50 @@ class Attention(nnx.Module):
         return rope_frequencies(self.cfg, self.spec.rope)
 
     def __call__(self, x: Float[Array, "B S D"], shared: Shared, docs: Documents | None = None, *,
-                 indexer_target: str | None = None) -> tuple[Float[Array, "B S D"], Shared]:
+                 indexer_target: str | None = None, replay_floor: Int[Array, "B"] | None = None,
+                 reuse: PrefixReuse | None = None) -> tuple[Float[Array, "B S D"], Shared]:
         """Training-mode forward over whole rows.
 
         Without ``docs`` a row is one sequence starting at position 0. With ``docs`` (packed documents,
         :mod:`dsv41_jax.model.documents`) no information crosses a document boundary. With
         ``indexer_target`` (``dense`` | ``topk``) an index source also returns its :class:`IndexerStats`
         in ``shared.indexer`` (:mod:`dsv41_jax.model.indexer_loss`).
+
+        The served path of post-training (:mod:`dsv41_jax.posttrain.replay`) adds, for unpacked rows: a
+        ``replay_floor`` per row, where every window starts (the engine's bounded replay; the indexer's dense
+        target sees the same truncated window), and on a KV source ``reuse``, the prefix cache's global KV
+        that replaces the entries written before the hit (:func:`reuse_prefix`).
         """
         cfg, spec = self.cfg, self.spec
         b, s, _ = x.shape
+        if docs is not None and (replay_floor is not None or reuse is not None):
+            raise ValueError("Attention: replay_floor and reuse are for unpacked rows (docs=None)")
         pos = jnp.broadcast_to(jnp.arange(s), (b, s)) if docs is None else docs.positions
-        floor = None if docs is None else docs.start
+        floor = None if docs is None else docs.start  # window keys of a query start here
+        replay = 0 if replay_floor is None else replay_floor
+        if replay_floor is not None:
+            floor = jnp.broadcast_to(replay_floor[:, None], (b, s))  # for the indexer's dense target
         q, q_latent = self.query(x, pos)
         window_kv = self.window_kv(x, pos)
         sink = self.attn_sink[...]
+        doc_floor = None if docs is None else floor
         if not spec.compressed:
-            o = sparse_attention(q, window_kv, sink, cfg.window_size, key_floor=floor)
+            o = sparse_attention(q, window_kv, sink, cfg.window_size, replay_start=replay, key_floor=doc_floor)
             return self.output(o, pos), shared
         ent = entries(docs, spec.ratio, b, s)
         if spec.owns_compressor:
             shared = self._publish_kv(x, shared, ent)
+            if reuse is not None:
+                shared = reuse_prefix(shared, reuse, spec.ratio)
+        attend = dict(replay_start=replay, key_floor=doc_floor)
         if not (spec.has_indexer and indexer_target):
             if spec.has_indexer:
                 shared = self._select(x, q_latent, pos, shared, ent)[0]
-            o = sparse_attention(q, window_kv, sink, cfg.window_size, shared.main_kv, shared.topk, key_floor=floor)
+            o = sparse_attention(q, window_kv, sink, cfg.window_size, shared.main_kv, shared.topk, **attend)
             return self.output(o, pos), shared
         shared, scores = self._select(x, q_latent, pos, shared, ent)
         o, topk_mass = sparse_attention(q, window_kv, sink, cfg.window_size, shared.main_kv, shared.topk,
-                                        key_floor=floor, return_mass=True)
+                                        return_mass=True, **attend)
         with jax.named_scope("indexer_loss"):
             vis = visible(ent, shared.main_kv.shape[1])
             dense = entry_mass(q, window_kv, sink, cfg.window_size, shared.main_kv, vis, key_floor=floor)

@@ -33,11 +33,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from dsv41_jax.model.attention import Attention, Shared
-from dsv41_jax.model.documents import entries, visible
-from dsv41_jax.model.indexer_loss import indexer_stats
+from dsv41_jax.model.attention import PrefixReuse, Shared
+from dsv41_jax.model.documents import entries
 from dsv41_jax.model.mhc import collapse
-from dsv41_jax.model.sparse import entry_mass, sparse_attention
 from dsv41_jax.model.transformer import Transformer
 
 
@@ -102,54 +100,6 @@ def prefix_global_kv(model: Transformer, tokens: Int[Array, "B S"], engram_rows:
     return PrefixKV(tuple(main), tuple(index))
 
 
-def reuse_prefix(shared: Shared, main_kv: Array, index_k: Array, hit: Int[Array, "B"], ratio: int) -> Shared:
-    """Entries whose group ``[j·m, j·m + m)`` ends before the hit come from the prefix cache (§9.4): the
-    replay never rewrites them; a group straddling the hit is written from the replayed rows."""
-    kept = ((jnp.arange(main_kv.shape[1]) + 1) * ratio <= hit[:, None])[..., None]  # [B, C, 1]
-    return shared._replace(main_kv=jnp.where(kept, main_kv, shared.main_kv),
-                           index_k=jnp.where(kept, index_k, shared.index_k))
-
-
-def served_attention(attn: Attention, x: Float[Array, "B S D"], shared: Shared, floor: Int[Array, "B"],
-                     prefix: tuple[Array, Array] | None, hit: Int[Array, "B"], indexer_target: str | None = None):
-    """The training-mode attention layer (``Attention.__call__``) with a window floor per row and, on KV
-    sources, the prefix's global KV reused. ``floor = 0`` and ``prefix = None`` is ``Attention.__call__``.
-
-    With ``indexer_target`` (``dense`` | ``topk``) an index source also returns its
-    :class:`~dsv41_jax.model.indexer_loss.IndexerStats` in ``shared.indexer``, as ``Attention.__call__`` does,
-    but over what the served query sees: its window starts at ``floor``, the entries are the served ones (the
-    prefix's where reused; quantised as the cache switches say) and the scores are the (MXFP4) served ones.
-    """
-    cfg, spec = attn.cfg, attn.spec
-    b, s, _ = x.shape
-    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
-    q, q_latent = attn.query(x, pos)
-    window_kv = attn.window_kv(x, pos)
-    sink = attn.attn_sink[...]
-    ent = entries(None, spec.ratio, b, s) if spec.compressed else None
-    if spec.owns_compressor:
-        shared = attn._publish_kv(x, shared, ent)
-        if prefix is not None:
-            shared = reuse_prefix(shared, *prefix, hit, spec.ratio)
-    if not spec.compressed:
-        o = sparse_attention(q, window_kv, sink, cfg.window_size, replay_start=floor)
-        return attn.output(o, pos), shared
-    if not (spec.has_indexer and indexer_target):
-        if spec.has_indexer:
-            shared = attn._select(x, q_latent, pos, shared, ent)[0]
-        o = sparse_attention(q, window_kv, sink, cfg.window_size, shared.main_kv, shared.topk, replay_start=floor)
-        return attn.output(o, pos), shared
-    shared, scores = attn._select(x, q_latent, pos, shared, ent)
-    o, topk_mass = sparse_attention(q, window_kv, sink, cfg.window_size, shared.main_kv, shared.topk,
-                                    replay_start=floor, return_mass=True)
-    vis = visible(ent, shared.main_kv.shape[1])
-    # a per-row replay floor is a key floor shared by every query of the row
-    dense = entry_mass(q, window_kv, sink, cfg.window_size, shared.main_kv, vis,
-                       key_floor=jnp.broadcast_to(floor[:, None], (b, s)))
-    stats = indexer_stats(indexer_target, scores, vis, dense, shared.topk, topk_mass)
-    return attn.output(o, pos), shared._replace(indexer=stats)
-
-
 def served_forward(model: Transformer, tokens: Int[Array, "B S"], engram_rows: Array | None, plan: ServePlan, *,
                    cut: int | None, prefix: PrefixKV | None = None, is_image: Bool[Array, "B S"] | None = None,
                    indexer_target: str | None = None):
@@ -157,7 +107,7 @@ def served_forward(model: Transformer, tokens: Int[Array, "B S"], engram_rows: A
     window floor (rows before it are not computed by the engine: mask them out of routing statistics).
     With ``indexer_target`` (``dense`` | ``topk``) a fourth item: the
     :class:`~dsv41_jax.model.indexer_loss.IndexerStats` of every index
-    source (``index_source_layers`` order) over the served path (:func:`served_attention`).
+    source (``index_source_layers`` order) over the served path (``Attention.__call__`` with a replay floor).
 
     ``cut`` is the CED cut layer (``engine.default_ced_cut``; ``None``: no decoder replay). ``prefix`` is
     pass 1's :func:`prefix_global_kv` (computed here when ``None`` and a row has a hit: pass it in to reuse).
@@ -178,7 +128,8 @@ def served_forward(model: Transformer, tokens: Int[Array, "B S"], engram_rows: A
         kv = sources.get(i)
 
         def attend(u, attn=block.attn, shared=shared, floor=floors[i], kv=kv):
-            return served_attention(attn, u, shared, floor, kv, plan.hit, indexer_target)
+            reuse = None if kv is None else PrefixReuse(*kv, plan.hit)
+            return attn(u, shared, indexer_target=indexer_target, replay_floor=floor, reuse=reuse)
 
         x, pre, shared, r = block.run(x, pre, attend, is_image)
         routing.append(r)

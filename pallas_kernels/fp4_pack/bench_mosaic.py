@@ -32,6 +32,8 @@ DEFAULT_VARIANTS = [
     "no_auto_barriers=true,ctas_per_sm=3,stages=2,step_bytes=16384",
     "no_auto_barriers=true,chunk=256",
     "layout_name=wgmma,no_auto_barriers=true",
+    "encode=swar",
+    "encode=swar,chunk=256",
 ]
 _REF = {"nvfp4": reference.pack_nvfp4, "mxfp4": reference.pack_mxfp4}
 

@@ -90,6 +90,40 @@ def _encode(fmt: str, even_bits, odd_bits, bcast):
     return packed.astype(jnp.uint8), byte.astype(jnp.uint8)
 
 
+ENCODES = ("compare", "swar")
+_GUARDS = -0x7FFF8000  # 0x80008000 as int32: a guard bit above each 15-bit magnitude of a word
+
+
+def _encode_words(fmt: str, w, bcast):
+    """``encode="swar"``: :func:`_encode` for bf16 input, both lanes of a 32-bit word at once.
+
+    For non-negative floats the order of the bit patterns is the order of the values, so ``|x| >= t`` for a
+    bf16 ``x`` is ``mag >= ceil(bits(t) / 2^16)`` on its 15-bit magnitude. With a guard bit above each
+    magnitude of the word, ``(mag_pair | guards) - (T | T << 16)`` cannot borrow across the halves (T <=
+    2^15), and its bit 15 (31) is set exactly when the low (high) magnitude reaches T: one subtraction, a
+    shift and a mask count one threshold for both lanes, against two compares and two adds.
+    """
+    mags = w & 0x7FFF7FFF
+    lo, hi = mags & 0xFFFF, lax.shift_right_logical(mags, 16)
+    amax = lax.bitcast_convert_type(jnp.max(jnp.maximum(lo, hi), axis=1) << 16, jnp.float32)
+    if fmt == "nvfp4":
+        s, byte = thresholds.nvfp4_scale(amax)
+        thr = thresholds.nvfp4_thresholds(s)
+    else:
+        e = thresholds.mxfp4_scale(amax)
+        byte, thr = e + 127, thresholds.mxfp4_thresholds(e)
+    guarded = mags | _GUARDS
+    count = None
+    for t in thr:
+        tb = lax.bitcast_convert_type(t, jnp.int32)  # >= 0: thresholds are positive (or NaN patterns)
+        t16 = jnp.minimum((tb >> 16) + ((tb & 0xFFFF) != 0).astype(jnp.int32), 0x8000)
+        hit = lax.shift_right_logical(guarded - bcast(t16 | (t16 << 16)), 15) & 0x00010001
+        count = hit if count is None else count + hit
+    sign = ((w >> 12) & 0x08) | (lax.shift_right_logical(w, 24) & 0x80)
+    packed = (count & 7) | ((count >> 12) & 0x70) | sign
+    return packed.astype(jnp.uint8), byte.astype(jnp.uint8)
+
+
 def _lanes(w, split: bool):
     """Kernel input rows -> fp32 bit patterns of (even, odd) lanes: bf16 words split in registers, or the
     two halves of a pre-split fp32 group."""
@@ -99,9 +133,10 @@ def _lanes(w, split: bool):
 class _Geometry:
     """Static shapes of one call: GMEM views, tile sizes and their checks."""
 
-    def __init__(self, r: int, n: int, fmt: str, split: bool, rows_per_step: int, chunk: int, lay: str):
+    def __init__(self, r: int, n: int, fmt: str, split: bool, rows_per_step: int, chunk: int, lay: str,
+                 encode: str = "compare"):
         block = layout.FORMATS[fmt]
-        self.r, self.n, self.fmt, self.split, self.layout = r, n, fmt, split, lay
+        self.r, self.n, self.fmt, self.split, self.layout, self.encode = r, n, fmt, split, lay, encode
         self.g, self.p = n // block, block // 2
         self.br = min(rows_per_step, 256)
         self.bm = self.br * self.g  # groups per tile
@@ -113,6 +148,10 @@ class _Geometry:
         problems = []
         if lay not in LAYOUTS:
             problems.append(f"layout must be one of {LAYOUTS}")
+        if encode not in ENCODES:
+            problems.append(f"encode must be one of {ENCODES}")
+        elif encode == "swar" and split:
+            problems.append("encode='swar' needs bf16 input (two lanes per 32-bit word)")
         if half % 16 or (half > 256 and half % 256):
             problems.append(f"N/2 ({half}) must be a multiple of 16 (TMA rows of whole 16 bytes) and at most 256 "
                             "or a multiple of 256")
@@ -159,6 +198,11 @@ class _Geometry:
 def _kernel_body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
     rows = functools.partial(pl.ds, size=geo.br)
 
+    def encode(w, bcast):
+        if geo.encode == "swar":
+            return _encode_words(geo.fmt, w, bcast)
+        return _encode(geo.fmt, *_lanes(w, geo.split), bcast)
+
     def body(x_gmem, codes_gmem, scales_gmem, x_buf, c_buf, s_buf, barrier):
         def load(t, slot):
             plgpu.copy_gmem_to_smem(x_gmem.at[rows(t * geo.br)], x_buf.at[slot], barrier.at[slot])
@@ -179,8 +223,7 @@ def _kernel_body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
             x = x_buf[slot]
             w = ((x[:, :, 0].reshape(geo.bm, geo.p), x[:, :, 1].reshape(geo.bm, geo.p)) if geo.split
                  else x.reshape(geo.bm, geo.p))
-            packed, byte = _encode(geo.fmt, *_lanes(w, geo.split),
-                                   lambda v: lax.broadcast_in_dim(v, (geo.bm, geo.p), (0,)))
+            packed, byte = encode(w, lambda v: lax.broadcast_in_dim(v, (geo.bm, geo.p), (0,)))
             c_buf[buf] = packed.reshape(c_buf.shape[1:])
             s_buf[buf] = byte.reshape(s_buf.shape[1:])
 
@@ -201,7 +244,7 @@ def _kernel_body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
             def one_chunk(i, carry):
                 sl = pl.ds(i * geo.chunk, geo.chunk)
                 w = (tuple(ms.load(xs.at[sl, h], reg) for h in (0, 1)) if geo.split else ms.load(xs.at[sl], reg))
-                packed, byte = _encode(geo.fmt, *_lanes(w, geo.split), bcast)
+                packed, byte = encode(w, bcast)
                 cs.at[sl][...] = packed
                 ss.at[sl][...] = byte
                 return carry
@@ -239,10 +282,11 @@ def _to_kernel_input(x, block: int):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "rows_per_step", "step_bytes", "chunk", "stages",
-                                             "ctas_per_sm", "layout_name", "no_auto_barriers", "interpret"))
+                                             "ctas_per_sm", "layout_name", "no_auto_barriers", "encode",
+                                             "interpret"))
 def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STEP_BYTES, chunk: int = 128,
          stages: int = 2, ctas_per_sm: int = 3, layout_name: str = "rows", no_auto_barriers: bool = True,
-         interpret: bool = False):
+         encode: str = "compare", interpret: bool = False):
     """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit.
 
     Tuning (all static): ``rows_per_step`` rows per TMA tile (rows x groups per row must be a multiple
@@ -251,7 +295,9 @@ def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STE
     ``layout_name="rows"``, of 64 for ``"wgmma"``), ``stages`` input slots per CTA, ``ctas_per_sm``
     resident CTAs per SM (sizes the persistent grid), ``no_auto_barriers`` drops the barriers Pallas puts
     around each SMEM store (the kernel never reads back what it stores; ``stream`` synchronises before
-    every TMA). ``interpret=True`` runs the GPU interpreter (CPU; no register layouts).
+    every TMA). ``encode="swar"`` (bf16 input) counts thresholds for both lanes of a word at once
+    (:func:`_encode_words`; bit-exact, not yet timed on a GPU). ``interpret=True`` runs the GPU
+    interpreter (CPU; no register layouts).
     """
     block, lead, n = layout.FORMATS[fmt], x.shape[:-1], x.shape[-1]
     if n % block:
@@ -263,7 +309,7 @@ def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STE
     max_ctas = ctas_per_sm * ms.num_sms()
     if rows_per_step is None:
         rows_per_step = default_rows_per_step(r, n, block, split, max_ctas, step_bytes)
-    geo = _Geometry(r, n, fmt, split, operator.index(rows_per_step), chunk, layout_name)
+    geo = _Geometry(r, n, fmt, split, operator.index(rows_per_step), chunk, layout_name, encode)
     if interpret:
         geo.pad_outputs()
     n_ctas = min(geo.n_tiles, max_ctas)

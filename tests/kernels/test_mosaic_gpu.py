@@ -242,6 +242,17 @@ def test_fp4_interpreted(fmt, n, rows_per_step, dtype):
     _fp4_check(impl, x, fmt, f"interpret {fmt} N={n} {jnp.dtype(dtype).name}", dtype)
 
 
+@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 96)])
+def test_fp4_interpreted_swar_encode(fmt, n):
+    """The two-lanes-per-word encode on every case (rounding ties, saturation, zero groups, subnormals) in bf16,
+    the only input it takes."""
+    x = np.asarray(jnp.asarray(all_fp4_cases(fmt, n), jnp.bfloat16).astype(jnp.float32))
+    impl = functools.partial(fp4_mosaic.pack, encode="swar", interpret=True)
+    _fp4_check(impl, x, fmt, f"interpret swar {fmt} N={n}", jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs bf16 input"):
+        fp4_mosaic.pack(jnp.zeros((8, n), jnp.float32), fmt, encode="swar")
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fp4_interpreted_leading_dims_and_empty(fmt):
     rng = np.random.default_rng(1)
@@ -302,6 +313,11 @@ def _fp4_variant(i: int, fmt: str, n: int) -> dict:
 def test_fp4_lowers_to_mosaic_gpu(variant, fmt, n, dtype):
     kw = _fp4_variant(variant, fmt, n)
     _lowers(functools.partial(fp4_mosaic.pack, fmt=fmt, **kw), jax.ShapeDtypeStruct((300, n), dtype))
+
+
+@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 1024)])
+def test_swar_encode_lowers_to_mosaic_gpu(fmt, n):
+    _lowers(functools.partial(fp4_mosaic.pack, fmt=fmt, encode="swar"), jax.ShapeDtypeStruct((300, n), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 1024), ("mxfp4", 64)])
@@ -379,6 +395,17 @@ def test_fp4_on_device(variant, fmt, n):
                 print("MISMATCH", msg, flush=True)  # shown at once with pytest -s, even if the run is cut short
                 errors.append(msg)
     assert not errors, "\n".join(errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128)])
+def test_fp4_swar_encode_on_device(fmt, n):
+    impl = functools.partial(fp4_mosaic.pack, encode="swar")
+    x_all, _ = _named_rows(fmt, n)
+    big = np.random.default_rng(3).standard_normal((4099, n)).astype(np.float32)
+    for x, label in ((x_all, "cases"), (big, "4099 rows"), (big[:3], "3 rows")):
+        x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+        _fp4_check(impl, x, fmt, f"swar {fmt} N={n} {label}", jnp.bfloat16)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.bench_variants import header, measure, parse_variant
-from pallas_kernels.block_max import gpu, mosaic, reference
+from pallas_kernels.block_max import api, gpu, mosaic, reference
 from pallas_kernels.block_max.bench import BLOCK, SHAPES, TOPK
 
 DEFAULT_VARIANTS = [
@@ -28,14 +28,8 @@ DEFAULT_VARIANTS = [
 
 
 def with_top_k(block_max_fn):
-    """api.candidate_block_ids on top of a block-max function (scores, n) -> maxima."""
-    def f(scores, n):
-        bmax = block_max_fn(scores, n)
-        nb = bmax.shape[-1]
-        vals, idx = jax.lax.top_k(bmax, min(TOPK, nb))
-        ids = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)
-        return jnp.where(ids < nb, ids, -1).astype(jnp.int32)
-    return f
+    """The candidate ids (``api.select_blocks`` with ``top_k``) on top of a block-max function (scores, n)."""
+    return lambda scores, n: api.select_blocks(block_max_fn(scores, n), TOPK, selection="top_k")
 
 
 def main() -> None:

@@ -69,9 +69,6 @@ class _Geometry:
         self.n_tiles = r * self.tiles_per_row
         self.rows_out = self.nbp
 
-    def pad_outputs(self):
-        """Kept for the interpreter's call: outputs are whole tiles already."""
-
     def reg_layout(self):
         return rows_layout(self.bs) if self.layout == "rows" else plgpu.Layout.WGMMA
 
@@ -142,8 +139,6 @@ def block_max(scores, n_visible, block_size: int, *, positions_per_step: int = 8
     if r == 0 or t == 0:
         return jnp.full((b, s, nb), -jnp.inf, scores.dtype)
     geo = _Geometry(r, t, block_size, scores.dtype, positions_per_step, chunk_blocks, layout_name)
-    if interpret:
-        geo.pad_outputs()
     x = scores.reshape(r, t)
     if geo.tp != t:  # one copy: -inf is the reference's padding
         x = jnp.pad(x, ((0, 0), (0, geo.tp - t)), constant_values=-jnp.inf)

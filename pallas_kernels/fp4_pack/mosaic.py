@@ -372,8 +372,6 @@ class _UnpackGeometry:
                             "and at most 4096")
         if self.chunk % 128 or self.bm % self.chunk:
             problems.append(f"chunk ({self.chunk}) must be a multiple of 128 dividing the groups per tile")
-        out_bytes = 4 * self.p * (2 if split else 1)  # per group
-        self.smem_bytes = lambda stages: stages * self.bm * (self.p + 1) + 2 * self.bm * out_bytes  # noqa: E731
         if problems:
             raise ValueError(f"fp4_pack mosaic unpack ({fmt}, N={n}, rows_per_step={rows_per_step}, "
                              f"chunk={chunk}): " + "; ".join(problems))
@@ -383,6 +381,10 @@ class _UnpackGeometry:
     def pad_outputs(self):
         self.rows_out = self.n_tiles * self.br
         self.out_view = (self.rows_out, *self.out_view[1:])
+
+    def smem_bytes(self, stages: int) -> int:
+        """SMEM of one CTA: ``stages`` slots of codes and scale bytes, two output buffers."""
+        return stages * self.bm * (self.p + 1) + 2 * self.bm * 4 * self.p * (2 if self.split else 1)
 
     @property
     def smem(self):

@@ -62,8 +62,9 @@ class _Geometry:
                              f"{positions_per_step}, chunk_blocks={chunk_blocks}, layout={lay}): "
                              + "; ".join(problems))
         self.tiles_per_row = -(-self.tp // self.tt)
-        # rows padded to whole tiles: no TMA box overhangs the middle axis of the [R, Tp / K, K] view (on the
-        # H200 such loads shifted the tile's data instead of zero-filling its tail: 2026-12-01, T = 37, 2053)
+        # rows padded to whole tiles: no TMA box overhangs the middle axis of the [R, Tp / K, K] view. With
+        # such overhangs the H200 returned 0.0 for blocks inside the row (2026-12-01, T = 37, 2053, 4099; an
+        # overhang of the leading axis, as fp4_pack's last row tile has, is exact there)
         self.tp = self.tiles_per_row * self.tt
         self.nbp = self.tp // block_size
         self.n_tiles = r * self.tiles_per_row

@@ -78,12 +78,7 @@ def _encode(fmt: str, even_bits, odd_bits, bcast):
     f32 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float32)
     ae, ao = f32(even_bits & _ABS), f32(odd_bits & _ABS)
     amax = jnp.max(jnp.maximum(ae, ao), axis=1)
-    if fmt == "nvfp4":
-        s, byte = thresholds.nvfp4_scale(amax)
-        thr = thresholds.nvfp4_thresholds(s)
-    else:
-        e = thresholds.mxfp4_scale(amax)
-        byte, thr = e + 127, thresholds.mxfp4_thresholds(e)
+    byte, thr = thresholds.group_scale(fmt, amax)
     thr = [bcast(t) for t in thr]
     sign = ((even_bits >> 28) & 0x08) | ((odd_bits >> 24) & 0x80)  # code bit 3 of each nibble
     packed = thresholds.code_index(ae, thr) | (thresholds.code_index(ao, thr) << 4) | sign
@@ -106,12 +101,7 @@ def _encode_words(fmt: str, w, bcast):
     mags = w & 0x7FFF7FFF
     lo, hi = mags & 0xFFFF, lax.shift_right_logical(mags, 16)
     amax = lax.bitcast_convert_type(jnp.max(jnp.maximum(lo, hi), axis=1) << 16, jnp.float32)
-    if fmt == "nvfp4":
-        s, byte = thresholds.nvfp4_scale(amax)
-        thr = thresholds.nvfp4_thresholds(s)
-    else:
-        e = thresholds.mxfp4_scale(amax)
-        byte, thr = e + 127, thresholds.mxfp4_thresholds(e)
+    byte, thr = thresholds.group_scale(fmt, amax)
     guarded = mags | _GUARDS
     count = None
     for t in thr:

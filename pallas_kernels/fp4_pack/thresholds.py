@@ -86,3 +86,12 @@ def mxfp4_thresholds(e):
     for b, up in zip(base, TIE_UP, strict=True):
         out.append(_f32(jnp.maximum(b if up else b + 1, TINY_BITS)))
     return out
+
+
+def group_scale(fmt: str, amax):
+    """Group amax (fp32) -> (the scale byte as int32: E4M3 for nvfp4, E8M0 for mxfp4, and the 7 thresholds)."""
+    if fmt == "nvfp4":
+        s, byte = nvfp4_scale(amax)
+        return byte, nvfp4_thresholds(s)
+    e = mxfp4_scale(amax)
+    return e + 127, mxfp4_thresholds(e)

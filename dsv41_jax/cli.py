@@ -7,7 +7,6 @@ Each subcommand lives in a small ``_cmd_*`` function; ``--config`` accepts a pre
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -71,7 +70,7 @@ def _cmd_score(args) -> int:
     import numpy as np
 
     from dsv41_jax.checkpoint.load import model_from_hf
-    from dsv41_jax.scoring import compare, format_report, prefill_outputs, score_inputs
+    from dsv41_jax.scoring import prefill_outputs, save_and_report, score_inputs
 
     if args.ckpt:
         from dsv41_jax.checkpoint.load import model_from_orbax
@@ -93,12 +92,7 @@ def _cmd_score(args) -> int:
         ours = score_inputs(model, hasher, np.load(args.inputs))
     except ValueError as err:
         raise SystemExit(f"{args.inputs}: {err}") from None
-    if args.out:
-        np.savez(args.out, **ours)
-        print(f"wrote {len(ours)} arrays to {args.out}")
-    if args.reference:
-        report = compare(ours, dict(np.load(args.reference)))
-        print(json.dumps(report, indent=1) if args.json else format_report(report))
+    save_and_report(ours, args.out, args.reference, args.json)
     return 0
 
 

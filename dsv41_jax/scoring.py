@@ -7,6 +7,8 @@ serves the reference implementation's dumps and our own runs.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,3 +88,13 @@ def format_report(report: dict[str, dict]) -> str:
         stats = "  ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items())
         lines.append(f"{key:32s} {stats}")
     return "\n".join(lines)
+
+
+def save_and_report(ours: dict[str, np.ndarray], out: str | None, reference: str | None, as_json: bool) -> None:
+    """Write ``ours`` to ``out`` (.npz) and print its comparison with the ``reference`` .npz, where given."""
+    if out:
+        np.savez(out, **ours)
+        print(f"wrote {len(ours)} arrays to {out}")
+    if reference:
+        report = compare(ours, dict(np.load(reference)))
+        print(json.dumps(report, indent=1) if as_json else format_report(report))

@@ -14,7 +14,6 @@ reference, one line per array. Point --hf-dir at a download of the real model to
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import numpy as np
 from dsv41_jax.checkpoint.convert import MANIFEST, ConvertError, convert, read_manifest
 from dsv41_jax.checkpoint.load import model_from_orbax
 from dsv41_jax.config import ConfigError
-from dsv41_jax.scoring import compare, format_report, score_inputs
+from dsv41_jax.scoring import save_and_report, score_inputs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,12 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {args.inputs}: {err}", file=sys.stderr)
         return 2
-    if args.scores:
-        np.savez(args.scores, **ours)
-        print(f"wrote {len(ours)} arrays to {args.scores}")
-    if args.reference:
-        report = compare(ours, dict(np.load(args.reference)))
-        print(json.dumps(report, indent=1) if args.json else format_report(report))
+    save_and_report(ours, args.scores, args.reference, args.json)
     return 0
 
 

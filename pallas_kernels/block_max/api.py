@@ -39,22 +39,20 @@ RADIX_MIN_BLOCKS = 32768
 
 
 def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
-                        n_blocks: int, *, backend: str = "xla", selection: str = "auto",
-                        digit_bits: int = 4) -> Int[Array, "B S K"]:
+                        n_blocks: int, *, backend: str = "xla", selection: str = "auto") -> Int[Array, "B S K"]:
     """Per query, the top ``n_blocks`` blocks by block max (newest visible block pinned), dropping blocks
     with no visible score; ascending, −1 padded. Ties go to the lower block index (``lax.top_k``, spec §6.3).
-    ``selection="radix"`` finds the same blocks without a sort (``select.select_top_blocks``, with
-    ``digit_bits`` per pass); ``"auto"`` uses it from ``RADIX_MIN_BLOCKS`` blocks per row, else ``top_k``.
+    ``selection="radix"`` finds the same blocks without a sort (``select.select_top_blocks``);
+    ``"auto"`` uses it from ``RADIX_MIN_BLOCKS`` blocks per row, else ``top_k``.
     """
     # the ids are discrete: no gradient flows back, and pallas_call need not be differentiated when the
     # scores carry one (the indexer's own loss differentiates them)
     scores = jax.lax.stop_gradient(scores)
     bmax = block_max(scores, n_visible, block_size, backend=backend)  # [B, S, NB]
-    return select_blocks(bmax, n_blocks, selection=selection, digit_bits=digit_bits)
+    return select_blocks(bmax, n_blocks, selection=selection)
 
 
-def select_blocks(bmax: Float[Array, "*B NB"], n_blocks: int, *, selection: str = "auto",
-                  digit_bits: int = 4) -> Int[Array, "*B K"]:
+def select_blocks(bmax: Float[Array, "*B NB"], n_blocks: int, *, selection: str = "auto") -> Int[Array, "*B K"]:
     """The candidate ids from block maxima: the top ``n_blocks`` (lower index first on ties) with a maximum
     above −∞, ascending, −1 padded."""
     if selection not in SELECTIONS:
@@ -62,7 +60,7 @@ def select_blocks(bmax: Float[Array, "*B NB"], n_blocks: int, *, selection: str 
     if selection == "auto":
         selection = "radix" if bmax.shape[-1] >= RADIX_MIN_BLOCKS else "top_k"
     if selection == "radix":
-        return select.select_top_blocks(bmax, n_blocks, digit_bits=digit_bits)
+        return select.select_top_blocks(bmax, n_blocks)
     nb = bmax.shape[-1]
     vals, idx = jax.lax.top_k(bmax, min(n_blocks, nb))  # ties: lower block index, as the reference
     ids = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)  # dropped blocks sort last

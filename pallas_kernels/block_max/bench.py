@@ -52,8 +52,7 @@ def main() -> None:
                     shape=bmax.shape, nbytes=bmax.size * 4, ops=bmax.size, iters=args.iters, stage=sel)
 
 
-SELECTIONS = {"top_k": dict(selection="top_k"), "radix4": dict(selection="radix", digit_bits=4),
-              "radix8": dict(selection="radix", digit_bits=8)}
+SELECTIONS = {"top_k": dict(selection="top_k"), "radix": dict(selection="radix")}
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ each row. The kept set only needs the threshold: blocks strictly above the k-th 
 lowest-indexed blocks equal to it until k are taken, which is exactly ``lax.top_k``'s set with its tie rule.
 Listing them in index order gives the ascending block ids the Reindex layers consume, with no sort.
 
-* Threshold: ``32 / digit_bits`` passes over the row, one digit of an order-preserving 32-bit key each
-  (``2**digit_bits`` counts per row per pass, a fused compare-and-reduce).
+* Threshold: 8 passes over the row, one 4-bit digit of an order-preserving 32-bit key each (16 counts per
+  row per pass, a fused compare-and-reduce). 8-bit digits (4 passes of 256 counts) were slower at every
+  shape measured on the H200 (BENCHMARKS.md).
 * Positions in the output: a block's slot is (blocks above the threshold before it) + min(ties before it,
   ties needed). Both prefix counts come from one matmul against a triangular 0/1 matrix per chunk of 256
   (exact: 0/1 inputs in bf16, fp32 sums of at most 256), plus one small matmul over the chunk totals (fp32 at
@@ -23,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-DIGIT_BITS = (4, 8)
+_DIGIT_BITS = 4
+_BINS = 1 << _DIGIT_BITS
 _CHUNK = 256
 
 
@@ -33,20 +35,17 @@ def order_key(x: Float[Array, "*B N"]) -> Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def kth_largest_key(key: Array, k: int, digit_bits: int = 4) -> tuple[Array, Array]:
+def kth_largest_key(key: Array, k: int) -> tuple[Array, Array]:
     """Per row of ``key`` [R, N]: the k-th largest key (with multiplicity) and how many of the keys equal to
     it belong to the top k (1 ≤ need ≤ its count)."""
-    if digit_bits not in DIGIT_BITS:
-        raise ValueError(f"kth_largest_key: digit_bits must be one of {DIGIT_BITS}, got {digit_bits}")
-    bins = 1 << digit_bits
     rows = key.shape[0]
     prefix = jnp.zeros((rows,), jnp.uint32)
     rank = jnp.full((rows,), k, jnp.int32)  # rank of the wanted key among those matching the prefix
-    digits = jnp.arange(bins, dtype=jnp.uint32)
-    for shift in range(32 - digit_bits, -1, -digit_bits):
-        hi = shift + digit_bits
+    digits = jnp.arange(_BINS, dtype=jnp.uint32)
+    for shift in range(32 - _DIGIT_BITS, -1, -_DIGIT_BITS):
+        hi = shift + _DIGIT_BITS
         match = (key >> hi) == (prefix >> hi)[:, None] if hi < 32 else jnp.ones(key.shape, bool)
-        digit = (key >> shift) & jnp.uint32(bins - 1)
+        digit = (key >> shift) & jnp.uint32(_BINS - 1)
         # at_least[r, j] = #{matching keys with digit >= j}
         at_least = jnp.sum(match[..., None] & (digit[..., None] >= digits), axis=1, dtype=jnp.int32)
         chosen = jnp.sum(at_least >= rank[:, None], axis=1) - 1  # the largest j with at_least[j] >= rank
@@ -71,14 +70,14 @@ def prefix_counts(flags: Bool[Array, "R C N"]) -> Int[Array, "R C N"]:
     return jnp.round(out).astype(jnp.int32)
 
 
-def select_top_blocks(bmax: Float[Array, "*B NB"], k: int, *, digit_bits: int = 4) -> Int[Array, "*B K"]:
+def select_top_blocks(bmax: Float[Array, "*B NB"], k: int) -> Int[Array, "*B K"]:
     """Ascending ids of the top ``min(k, NB)`` blocks (ties to the lower index) whose maximum is > −∞, −1
     padded: equal to sorting ``lax.top_k``'s indices after dropping −∞ values."""
     lead, nb = bmax.shape[:-1], bmax.shape[-1]
     k = min(k, nb)
     flat = bmax.reshape(-1, nb)
     key = order_key(flat)
-    threshold, need = kth_largest_key(key, k, digit_bits)
+    threshold, need = kth_largest_key(key, k)
     above = key > threshold[:, None]
     tie = (key == threshold[:, None]) & (flat > -jnp.inf)  # ties at −∞ are dropped, never kept
     counts = prefix_counts(jnp.stack([above, tie], axis=1))  # [R, 2, NB]

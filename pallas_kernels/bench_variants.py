@@ -9,7 +9,7 @@ import traceback
 import jax
 import numpy as np
 
-from pallas_kernels import benchutil
+from pallas_kernels import benchutil, devtime
 
 
 def parse_variant(spec: str) -> dict:
@@ -49,6 +49,9 @@ def measure(kernel: str, impl: str, fn, args: tuple, shape, nbytes: int, ops: in
             extra["exact"] = same_bytes(got, want)
         us = benchutil.median_us(f, *args, iters=iters)
         extra["pipelined_us"] = round(pipelined_us(f, *args, iters=iters), 2)
+        dev = devtime.device_time(f, *args, calls=iters)
+        if dev is not None:  # GPU: the kernels' own time, free of the host's dispatch rate
+            extra["devtime"] = dev
         benchutil.emit(kernel, impl, shape, us, nbytes, ops, **extra)
         return got
     except Exception as e:  # noqa: BLE001 - report and go on
@@ -78,8 +81,10 @@ def summarize(paths) -> None:
                 if "error" in r:
                     print(f"{tag} ERROR {r['error'].splitlines()[0][:160]}")
                 else:
+                    dev = r.get("devtime") or {}
                     print(f"{tag} {r['median_us']:9.1f} us  pipelined {r['pipelined_us']:9.1f} us  "
-                          f"{r['gb_per_s']:7.1f} GB/s  floor x{r['fraction_of_floor']:.2f}  "
+                          f"device {dev.get('busy_us') or 0:8.1f} us / {dev.get('kernels_per_call', 0):5.1f} "
+                          f"kernels  {r['gb_per_s']:7.1f} GB/s  floor x{r['fraction_of_floor']:.2f}  "
                           f"exact={r.get('exact', '-')}")
 
 

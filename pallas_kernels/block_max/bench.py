@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.bench_variants import measure
-from pallas_kernels.block_max import api, gpu
+from pallas_kernels.block_max import api, gpu, select
 
 BLOCK, TOPK = 8, 2048  # candidate_block_size, candidate_topk_blocks of the release (spec attention §6)
 # (B, S, T): prefill-like 8 queries over 1M positions; decode batches of one query each
@@ -47,12 +47,18 @@ def main() -> None:
                 want_ids = ids if want_ids is None else want_ids
         # the selection alone, from the block maxima
         bmax = api.block_max(scores, n, BLOCK)
-        for sel, kw in SELECTIONS.items():
-            measure("select", "xla", lambda m, kw=kw: api.select_blocks(m, TOPK, **kw), args=(bmax,),
-                    shape=bmax.shape, nbytes=bmax.size * 4, ops=bmax.size, iters=args.iters, stage=sel)
+        want_sel = None
+        for sel, fn in SELECT_ONLY.items():
+            got = measure("select", "xla", fn, args=(bmax,), shape=bmax.shape, nbytes=bmax.size * 4,
+                          ops=bmax.size, iters=args.iters, stage=sel, want=want_sel)
+            want_sel = got if want_sel is None else want_sel
 
 
 SELECTIONS = {"top_k": dict(selection="top_k"), "radix": dict(selection="radix")}
+# the selection alone; the radix select with each layout of its per-pass counts
+SELECT_ONLY = {"top_k": lambda m: api.select_blocks(m, TOPK, selection="top_k")} | {
+    f"radix_{layout}": functools.partial(select.select_top_blocks, k=TOPK, layout=layout)
+    for layout in select.COUNT_LAYOUTS}
 
 
 if __name__ == "__main__":

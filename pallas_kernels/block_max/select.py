@@ -1,14 +1,17 @@
-"""The candidate blocks from block maxima without ``lax.top_k``: a radix select of the k-th largest maximum,
-then the blocks above it in index order (spec attention §6.1; ties lower-index-first, as ``lax.top_k``).
+"""The candidate blocks from block maxima without ``lax.top_k``: a radix search for the k-th largest
+maximum, then the blocks above it in index order (spec attention §6.1; ties lower-index-first, as
+``lax.top_k``).
 
 ``top_k(2048)`` over the block maxima is most of candidate selection on the H200 (BENCHMARKS.md): XLA sorts
 each row. The kept set only needs the threshold: blocks strictly above the k-th largest value, then the
 lowest-indexed blocks equal to it until k are taken, which is exactly ``lax.top_k``'s set with its tie rule.
 Listing them in index order gives the ascending block ids the Reindex layers consume, with no sort.
 
-* Threshold: 8 passes over the row, one 4-bit digit of an order-preserving 32-bit key each (16 counts per
-  row per pass, a fused compare-and-reduce). 8-bit digits (4 passes of 256 counts) were slower at every
-  shape measured on the H200 (BENCHMARKS.md).
+* Threshold: the k-th largest of order-preserving 32-bit keys is the largest t with #{key >= t} >= k. Eight
+  passes of a 16-ary search find it, 4 bits a pass: with the bits above fixed (P), each pass counts
+  #{key >= P | j << shift} for j = 1..15 in one fused compare-and-sum over the row and keeps the largest j
+  whose count is still >= k. No per-pass rank bookkeeping: the counts are of the whole row. 8-bit digits
+  (4 passes of 256 counts) were slower at every shape measured on the H200 (BENCHMARKS.md).
 * Positions in the output: a block's slot is (blocks above the threshold before it) + min(ties before it,
   ties needed). Both prefix counts come from one matmul against a triangular 0/1 matrix per chunk of 256
   (exact: 0/1 inputs in bf16, fp32 sums of at most 256), plus one small matmul over the chunk totals (fp32 at
@@ -27,6 +30,10 @@ from jaxtyping import Array, Bool, Float, Int
 _DIGIT_BITS = 4
 _BINS = 1 << _DIGIT_BITS
 _CHUNK = 256
+# how a pass's 15 counts are laid out for XLA: "siblings" (15 row sums over the same keys, which XLA fuses
+# into one multi-output reduction), "bins_major" ([R, 15, N] summed over N) or "bins_minor" ([R, N, 15]
+# summed over N); the bench compares them
+COUNT_LAYOUTS = ("siblings", "bins_major", "bins_minor")
 
 
 def order_key(x: Float[Array, "*B N"]) -> Array:
@@ -35,24 +42,29 @@ def order_key(x: Float[Array, "*B N"]) -> Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def kth_largest_key(key: Array, k: int) -> tuple[Array, Array]:
-    """Per row of ``key`` [R, N]: the k-th largest key (with multiplicity) and how many of the keys equal to
-    it belong to the top k (1 ≤ need ≤ its count)."""
+def _counts_at_least(key: Array, thresholds: Array, layout: str) -> Array:
+    """[R, N] keys, [R, J] thresholds -> [R, J] counts #{key >= threshold}."""
+    if layout == "siblings":
+        return jnp.stack([jnp.sum(key >= thresholds[:, j:j + 1], axis=1, dtype=jnp.int32)
+                          for j in range(thresholds.shape[1])], axis=1)
+    if layout == "bins_major":
+        return jnp.sum(key[:, None, :] >= thresholds[:, :, None], axis=2, dtype=jnp.int32)
+    if layout == "bins_minor":
+        return jnp.sum(key[:, :, None] >= thresholds[:, None, :], axis=1, dtype=jnp.int32)
+    raise ValueError(f"count layout must be one of {COUNT_LAYOUTS}, got {layout!r}")
+
+
+def kth_largest_key(key: Array, k: int, *, layout: str = "bins_minor") -> Array:
+    """Per row of ``key`` [R, N] (1 <= k <= N): the k-th largest key, counted with multiplicity."""
     rows = key.shape[0]
-    prefix = jnp.zeros((rows,), jnp.uint32)
-    rank = jnp.full((rows,), k, jnp.int32)  # rank of the wanted key among those matching the prefix
-    digits = jnp.arange(_BINS, dtype=jnp.uint32)
+    prefix = jnp.zeros((rows,), jnp.uint32)  # invariant: #{key >= prefix} >= k
+    steps = jnp.arange(1, _BINS, dtype=jnp.uint32)
     for shift in range(32 - _DIGIT_BITS, -1, -_DIGIT_BITS):
-        hi = shift + _DIGIT_BITS
-        match = (key >> hi) == (prefix >> hi)[:, None] if hi < 32 else jnp.ones(key.shape, bool)
-        digit = (key >> shift) & jnp.uint32(_BINS - 1)
-        # at_least[r, j] = #{matching keys with digit >= j}
-        at_least = jnp.sum(match[..., None] & (digit[..., None] >= digits), axis=1, dtype=jnp.int32)
-        chosen = jnp.sum(at_least >= rank[:, None], axis=1) - 1  # the largest j with at_least[j] >= rank
-        above = jnp.take_along_axis(jnp.pad(at_least, ((0, 0), (0, 1))), chosen[:, None] + 1, axis=1)[:, 0]
-        rank = rank - above
-        prefix = prefix | (chosen.astype(jnp.uint32) << shift)
-    return prefix, rank
+        thresholds = prefix[:, None] | (steps << shift)  # the bits below shift + 4 of prefix are zero
+        counts = _counts_at_least(key, thresholds, layout)  # non-increasing in j
+        digit = jnp.sum(counts >= k, axis=1, dtype=jnp.uint32)  # the largest j with count >= k (0: none)
+        prefix = prefix | (digit << shift)
+    return prefix
 
 
 def prefix_counts(flags: Bool[Array, "R C N"]) -> Int[Array, "R C N"]:
@@ -70,19 +82,20 @@ def prefix_counts(flags: Bool[Array, "R C N"]) -> Int[Array, "R C N"]:
     return jnp.round(out).astype(jnp.int32)
 
 
-def select_top_blocks(bmax: Float[Array, "*B NB"], k: int) -> Int[Array, "*B K"]:
+def select_top_blocks(bmax: Float[Array, "*B NB"], k: int, *, layout: str = "bins_minor") -> Int[Array, "*B K"]:
     """Ascending ids of the top ``min(k, NB)`` blocks (ties to the lower index) whose maximum is > −∞, −1
     padded: equal to sorting ``lax.top_k``'s indices after dropping −∞ values."""
     lead, nb = bmax.shape[:-1], bmax.shape[-1]
     k = min(k, nb)
     flat = bmax.reshape(-1, nb)
     key = order_key(flat)
-    threshold, need = kth_largest_key(key, k)
+    threshold = kth_largest_key(key, k, layout=layout)
     above = key > threshold[:, None]
     tie = (key == threshold[:, None]) & (flat > -jnp.inf)  # ties at −∞ are dropped, never kept
     counts = prefix_counts(jnp.stack([above, tie], axis=1))  # [R, 2, NB]
-    kept_before = counts[:, 0] + jnp.minimum(counts[:, 1], need[:, None])  # kept blocks up to and including
-    keep = above | (tie & (counts[:, 1] <= need[:, None]))
+    need = k - counts[:, 0, -1:]  # ties kept: k minus the blocks above (>= 1 unless the ties are at −∞)
+    kept_before = counts[:, 0] + jnp.minimum(counts[:, 1], need)  # kept blocks up to and including
+    keep = above | (tie & (counts[:, 1] <= need))
     slot = jnp.where(keep, kept_before - 1, k)  # unkept: past the end, dropped
     ids = jnp.full((flat.shape[0], k), -1, jnp.int32)
     ids = jax.vmap(lambda out, s: out.at[s].set(jnp.arange(nb, dtype=jnp.int32), mode="drop"))(ids, slot)

@@ -13,6 +13,7 @@ low nibble: the pair is packed without a lane shuffle.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
@@ -54,11 +55,14 @@ def div_rn_by_short(x, d):
 
     Integer long division of the significands, as quant._div_rn. The quotient of a 30-bit dividend by
     a divisor in [8, 15] has 26 or 27 bits, so the shift to 24 kept bits is 2 or 3 (no clz needed).
+    ``d`` may be a Python float: its significand and exponent are then constants, and the compiler turns
+    the division by a constant into a multiply (the group scale divides by 6 once per group).
     """
-    xb, db = _bits(x), _bits(d)
-    ex, ed = (xb >> 23) & 0xFF, (db >> 23) & 0xFF
+    xb = _bits(x)
+    db = int(np.float32(d).view(np.int32)) if isinstance(d, float) else _bits(d)
+    ed, dd = (db >> 23) & 0xFF, ((db >> 20) & 7) | 8
+    ex = (xb >> 23) & 0xFF
     n = ((xb & 0x7FFFFF) | 0x800000) << 6
-    dd = ((db >> 20) & 7) | 8
     quo, rem = lax.div(n, dd), lax.rem(n, dd)
     shift = 2 + (quo >= (1 << 26)).astype(jnp.int32)
     kept, low, half = quo >> shift, quo & ((1 << shift) - 1), 1 << (shift - 1)
@@ -93,7 +97,7 @@ def nvfp4_tile(even, odd):
     """Even / odd lanes [..., G, 8] fp32 -> (packed nibbles int32 [..., G, 8], E4M3 bytes int32 [..., G])."""
     amax = jnp.maximum(jnp.max(jnp.abs(even), -1), jnp.max(jnp.abs(odd), -1))
     amax = jnp.maximum(amax, jnp.float32(E2M1_MAX * 2.0**-9))  # spec attention §7.2 floor
-    s, byte = e4m3_rn(div_rn_by_short(amax, jnp.full_like(amax, E2M1_MAX)))
+    s, byte = e4m3_rn(div_rn_by_short(amax, E2M1_MAX))
     s = s[..., None]
 
     def code(x):

@@ -62,7 +62,7 @@ def _from_bits(bits):
 def nvfp4_scale(amax):
     """Group amax (fp32) -> (E4M3 scale as fp32, its byte as int32): e4m3(amax / 6), spec attention §7.2."""
     amax = jnp.maximum(amax, jnp.float32(encode.E2M1_MAX * 2.0**-9))
-    return encode.e4m3_rn(encode.div_rn_by_short(amax, jnp.full_like(amax, encode.E2M1_MAX)))
+    return encode.e4m3_rn(encode.div_rn_by_short(amax, encode.E2M1_MAX))
 
 
 def nvfp4_thresholds(s):

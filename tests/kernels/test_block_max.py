@@ -121,7 +121,7 @@ def test_prefix_counts_are_exact_over_many_chunks():
 
 def test_radix_select_at_the_release_width():
     """2048 of 131072 block maxima (a 1M-position row) with a heavy tie at the threshold."""
-    from pallas_kernels.block_max.select import select_top_blocks
+    from pallas_kernels.block_max.select import COUNT_LAYOUTS, select_top_blocks
 
     rng = np.random.default_rng(4)
     bmax = rng.standard_normal((2, 131072)).astype(np.float32)
@@ -130,8 +130,10 @@ def test_radix_select_at_the_release_width():
     vals, idx = jax.lax.top_k(jnp.asarray(bmax), 2048)
     want = np.sort(np.where(np.asarray(vals) > -np.inf, np.asarray(idx), 131072), axis=-1)
     want = np.where(want < 131072, want, -1)
-    got = np.asarray(jax.jit(select_top_blocks, static_argnums=1)(jnp.asarray(bmax), 2048))
-    np.testing.assert_array_equal(got, want)
+    for layout in COUNT_LAYOUTS:  # every way of laying out a pass's counts finds the same threshold
+        got = np.asarray(jax.jit(select_top_blocks, static_argnums=1, static_argnames="layout")(
+            jnp.asarray(bmax), 2048, layout=layout))
+        np.testing.assert_array_equal(got, want, err_msg=layout)
     assert bmax.shape[-1] >= bm.RADIX_MIN_BLOCKS  # "auto" (the default) takes the radix path here
     np.testing.assert_array_equal(np.asarray(jax.jit(bm.select_blocks, static_argnums=1)(jnp.asarray(bmax), 2048)),
                                   want)

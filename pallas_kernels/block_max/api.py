@@ -33,9 +33,10 @@ def block_max(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block
 
 
 SELECTIONS = ("auto", "top_k", "radix")
-# "auto" takes the radix select from this many blocks per row: on the H200 it was 1.7x faster than top_k at
-# 131072 blocks x 8 rows and 3.1x at x 32 rows, and 10% slower at 16384 blocks x 128 rows (BENCHMARKS.md)
-RADIX_MIN_BLOCKS = 32768
+# "auto" takes the radix select from this many blocks per row: on the H200 it was 2.8x faster than top_k at
+# 131072 blocks x 8 rows, 5.6x at x 32 rows and 1.5x at 16384 blocks x 128 rows (BENCHMARKS.md); below
+# 16384 blocks a row, top_k's sort fits one kernel and was not measured against it
+RADIX_MIN_BLOCKS = 16384
 
 
 def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,

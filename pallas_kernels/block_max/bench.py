@@ -55,10 +55,11 @@ def main() -> None:
 
 
 SELECTIONS = {"top_k": dict(selection="top_k"), "radix": dict(selection="radix")}
-# the selection alone; the radix select with each layout of its per-pass counts
-SELECT_ONLY = {"top_k": lambda m: api.select_blocks(m, TOPK, selection="top_k")} | {
-    f"radix_{layout}": functools.partial(select.select_top_blocks, k=TOPK, layout=layout)
-    for layout in select.COUNT_LAYOUTS}
+# the selection alone
+SELECT_ONLY = {"top_k": lambda m: api.select_blocks(m, TOPK, selection="top_k"),
+               "radix": lambda m: api.select_blocks(m, TOPK, selection="radix"),
+               "radix_chunk2048": functools.partial(select.select_top_blocks, k=TOPK, chunk=2048),
+               "radix_chunk8192": functools.partial(select.select_top_blocks, k=TOPK, chunk=8192)}
 
 
 if __name__ == "__main__":

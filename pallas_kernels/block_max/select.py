@@ -9,31 +9,34 @@ Listing them in index order gives the ascending block ids the Reindex layers con
 
 * Threshold: the k-th largest of order-preserving 32-bit keys is the largest t with #{key >= t} >= k. Eight
   passes of a 16-ary search find it, 4 bits a pass: with the bits above fixed (P), each pass counts
-  #{key >= P | j << shift} for j = 1..15 in one fused compare-and-sum over the row and keeps the largest j
-  whose count is still >= k. No per-pass rank bookkeeping: the counts are of the whole row. 8-bit digits
-  (4 passes of 256 counts) were slower at every shape measured on the H200 (BENCHMARKS.md).
+  #{key >= P | j << shift} for j = 1..15 and keeps the largest j whose count is still >= k. No per-pass rank
+  bookkeeping: the counts are of the whole row. A pass is two XLA kernels: a variadic reduction (15
+  operands, each key read once, 15 accumulators per thread) over chunks of ``_COUNT_CHUNK`` keys, then the
+  sum over the chunks with the digit in its epilogue.
+  8-bit digits (4 passes of 256 counts) and other layouts of the counts were slower on the H200
+  (BENCHMARKS.md).
 * Positions in the output: a block's slot is (blocks above the threshold before it) + min(ties before it,
   ties needed). Both prefix counts come from one matmul against a triangular 0/1 matrix per chunk of 256
-  (exact: 0/1 inputs in bf16, fp32 sums of at most 256), plus one small matmul over the chunk totals (fp32 at
-  HIGHEST precision, exact below 2^24). XLA's ``cumsum`` is an associative scan of ~2 log2(N) kernels on
-  GPU; the matmuls are two.
+  (exact: the disjoint flags coded as 0 / 1 / 512 in bf16, fp32 sums below 2^17), plus one small matmul over
+  the chunk totals (each <= 256, so exact in bf16; fp32 sums exact below 2^24). XLA's ``cumsum`` is an
+  associative scan of ~2 log2(N) kernels on GPU; the matmuls are two.
 
 Pure XLA, so it runs on every backend.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 _DIGIT_BITS = 4
 _BINS = 1 << _DIGIT_BITS
-_CHUNK = 256
-# how a pass's 15 counts are laid out for XLA: "siblings" (15 row sums over the same keys, which XLA fuses
-# into one multi-output reduction), "bins_major" ([R, 15, N] summed over N) or "bins_minor" ([R, N, 15]
-# summed over N); the bench compares them
-COUNT_LAYOUTS = ("siblings", "bins_major", "bins_minor")
+_CHUNK = 256  # blocks per triangular matmul
+_COUNT_CHUNK = 4096  # keys per first-stage count (the fastest of 1024-4096 at all three bench shapes on the H200)
 
 
 def order_key(x: Float[Array, "*B N"]) -> Array:
@@ -42,61 +45,80 @@ def order_key(x: Float[Array, "*B N"]) -> Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _counts_at_least(key: Array, thresholds: Array, layout: str) -> Array:
-    """[R, N] keys, [R, J] thresholds -> [R, J] counts #{key >= threshold}."""
-    if layout == "siblings":
-        return jnp.stack([jnp.sum(key >= thresholds[:, j:j + 1], axis=1, dtype=jnp.int32)
-                          for j in range(thresholds.shape[1])], axis=1)
-    if layout == "bins_major":
-        return jnp.sum(key[:, None, :] >= thresholds[:, :, None], axis=2, dtype=jnp.int32)
-    if layout == "bins_minor":
-        return jnp.sum(key[:, :, None] >= thresholds[:, None, :], axis=1, dtype=jnp.int32)
-    raise ValueError(f"count layout must be one of {COUNT_LAYOUTS}, got {layout!r}")
+def _sum(a, b):
+    return tuple(x + y for x, y in zip(a, b, strict=True))
 
 
-def kth_largest_key(key: Array, k: int, *, layout: str = "bins_minor") -> Array:
-    """Per row of ``key`` [R, N] (1 <= k <= N): the k-th largest key, counted with multiplicity."""
-    rows = key.shape[0]
-    prefix = jnp.zeros((rows,), jnp.uint32)  # invariant: #{key >= prefix} >= k
-    steps = jnp.arange(1, _BINS, dtype=jnp.uint32)
+def _search_digit(key: Array, prefix: Array, shift: int, k: int, chunk: int) -> Array:
+    """One 4-bit digit of the k-th largest key: the largest j in 0..15 with #{key >= prefix | j << shift} >= k
+    (the bits of prefix below shift + 4 are zero)."""
+    r, n = key.shape
+    c = -(-n // chunk)
+    chunks = jnp.pad(key, ((0, 0), (0, c * chunk - n))).reshape(r, c, chunk)  # 0 pads: every t is >= 1
+    hits = tuple((chunks >= (prefix | jnp.uint32(j << shift))[:, None, None]).astype(jnp.int32)
+                 for j in range(1, _BINS))
+    partial = jax.lax.reduce(hits, (jnp.int32(0),) * len(hits), _sum, (2,))  # 15 x [R, C]
+    counts = jnp.sum(jnp.stack(partial, axis=2), axis=1)  # [R, 15], falling with j
+    return sum((counts[:, j] >= k).astype(jnp.uint32) for j in range(_BINS - 1))
+
+
+def kth_largest_key(key: Array, k: int, *, chunk: int = _COUNT_CHUNK) -> Array:
+    """Per row of ``key`` [R, N] (1 <= k <= N): the k-th largest key, counted with multiplicity.
+
+    The digits stay separate arrays and each pass ORs them into its prefix inside its own count kernel:
+    materialising the prefix after each pass was one more kernel a pass on the H200.
+    """
+    digits = []  # (digit [R], shift), invariant: #{key >= prefix} >= k
     for shift in range(32 - _DIGIT_BITS, -1, -_DIGIT_BITS):
-        thresholds = prefix[:, None] | (steps << shift)  # the bits below shift + 4 of prefix are zero
-        counts = _counts_at_least(key, thresholds, layout)  # non-increasing in j
-        digit = jnp.sum(counts >= k, axis=1, dtype=jnp.uint32)  # the largest j with count >= k (0: none)
-        prefix = prefix | (digit << shift)
-    return prefix
+        prefix = functools.reduce(jnp.bitwise_or, (d << s for d, s in digits), jnp.zeros((key.shape[0],), jnp.uint32))
+        digits.append((_search_digit(key, prefix, shift, k, chunk), shift))
+    return functools.reduce(jnp.bitwise_or, (d << s for d, s in digits))
 
 
-def prefix_counts(flags: Bool[Array, "R C N"]) -> Int[Array, "R C N"]:
-    """Inclusive prefix sums along the last axis of 0/1 flags, by two exact matmuls (see the module doc)."""
-    r, c, n = flags.shape
+def _triangle(n: int, strict: bool) -> np.ndarray:
+    """[n, n] 0/1 in bf16: ``out[j] = Σ_{i <= j} x[i]`` (``i < j`` when strict) as ``x @ triangle``."""
+    i = np.arange(n)
+    return ((i[:, None] < i[None, :]) if strict else (i[:, None] <= i[None, :])).astype(jnp.bfloat16)
+
+
+def disjoint_prefix_counts(a: Bool[Array, "R N"], b: Bool[Array, "R N"]) -> tuple[Array, Array]:
+    """Inclusive prefix sums (exact integers in fp32, [R, M * 256] with M = ceil(N / 256), zero-padded
+    flags past N) of two disjoint 0/1 flag rows with one matmul: the chunk-local sums of ``a + 512 b``
+    (values 0, 1, 512: exact in bf16) are ``sa + 512 sb`` with sa, sb <= 256, exact in fp32 and split by a
+    power-of-two divide. The chunk offsets are one more matmul over the chunk totals (<= 256: exact in
+    bf16; fp32 sums exact below 2^24)."""
+    r, n = a.shape
     m = -(-n // _CHUNK)
-    x = jnp.pad(flags, ((0, 0), (0, 0), (0, m * _CHUNK - n))).astype(jnp.bfloat16).reshape(r, c, m, _CHUNK)
-    i = jnp.arange(_CHUNK)
-    upper = (i[:, None] <= i[None, :]).astype(jnp.bfloat16)  # out[j] = Σ_{i ≤ j} x[i]
-    within = jnp.einsum("rcmi,ij->rcmj", x, upper, preferred_element_type=jnp.float32)
-    j = jnp.arange(m)
-    before = (j[:, None] < j[None, :]).astype(jnp.float32)  # chunk offsets: Σ of earlier chunks' totals
-    offsets = jnp.einsum("rcm,mn->rcn", within[..., -1], before, precision=jax.lax.Precision.HIGHEST)
-    out = (within + offsets[..., None]).reshape(r, c, m * _CHUNK)[..., :n]
-    return jnp.round(out).astype(jnp.int32)
+    code = a.astype(jnp.bfloat16) + b.astype(jnp.bfloat16) * 512
+    x = jnp.pad(code, ((0, 0), (0, m * _CHUNK - n))).reshape(r, m, _CHUNK)
+    within = jnp.einsum("rmi,ij->rmj", x, _triangle(_CHUNK, False), preferred_element_type=jnp.float32)
+    wb = jnp.floor(within * (1 / 512))
+    wa = within - 512 * wb
+    totals = jnp.stack([wa[..., -1], wb[..., -1]], axis=1).astype(jnp.bfloat16)  # [R, 2, M]
+    offsets = jnp.einsum("rcm,mn->rcn", totals, _triangle(m, True), preferred_element_type=jnp.float32)
+    return ((wa + offsets[:, 0, :, None]).reshape(r, m * _CHUNK),
+            (wb + offsets[:, 1, :, None]).reshape(r, m * _CHUNK))
 
 
-def select_top_blocks(bmax: Float[Array, "*B NB"], k: int, *, layout: str = "bins_minor") -> Int[Array, "*B K"]:
+def select_top_blocks(bmax: Float[Array, "*B NB"], k: int, *, chunk: int = _COUNT_CHUNK) -> Int[Array, "*B K"]:
     """Ascending ids of the top ``min(k, NB)`` blocks (ties to the lower index) whose maximum is > −∞, −1
     padded: equal to sorting ``lax.top_k``'s indices after dropping −∞ values."""
     lead, nb = bmax.shape[:-1], bmax.shape[-1]
     k = min(k, nb)
     flat = bmax.reshape(-1, nb)
-    key = order_key(flat)
-    threshold = kth_largest_key(key, k, layout=layout)
-    above = key > threshold[:, None]
-    tie = (key == threshold[:, None]) & (flat > -jnp.inf)  # ties at −∞ are dropped, never kept
-    counts = prefix_counts(jnp.stack([above, tie], axis=1))  # [R, 2, NB]
-    need = k - counts[:, 0, -1:]  # ties kept: k minus the blocks above (>= 1 unless the ties are at −∞)
-    kept_before = counts[:, 0] + jnp.minimum(counts[:, 1], need)  # kept blocks up to and including
-    keep = above | (tie & (counts[:, 1] <= need))
-    slot = jnp.where(keep, kept_before - 1, k)  # unkept: past the end, dropped
+    # materialised once: fused into each pass's count, the key's computation ran in every pass (and with
+    # the Mosaic block max feeding it, XLA's count fusions were 2.4x slower on the H200)
+    key = jax.lax.optimization_barrier(order_key(flat))
+    threshold = kth_largest_key(key, k, chunk=chunk)[:, None]
+    above = key > threshold
+    tie = (key == threshold) & (flat > -jnp.inf)  # ties at −∞ are dropped, never kept
+    n_above, n_tie = disjoint_prefix_counts(above, tie)  # [R, NBp], NBp = NB rounded up to 256
+    pad = ((0, 0), (0, n_above.shape[1] - nb))
+    above, tie = jnp.pad(above, pad), jnp.pad(tie, pad)
+    need = k - n_above[:, -1:]  # ties kept: k minus the blocks above (>= 1 unless the ties are at −∞)
+    keep = above | (tie & (n_tie <= need))
+    slot = jnp.where(keep, n_above + jnp.minimum(n_tie, need) - 1, k).astype(jnp.int32)  # unkept: dropped
     ids = jnp.full((flat.shape[0], k), -1, jnp.int32)
-    ids = jax.vmap(lambda out, s: out.at[s].set(jnp.arange(nb, dtype=jnp.int32), mode="drop"))(ids, slot)
+    blocks = jnp.arange(slot.shape[1], dtype=jnp.int32)
+    ids = jax.vmap(lambda out, s: out.at[s].set(blocks, mode="drop"))(ids, slot)
     return ids.reshape(*lead, k)

@@ -108,20 +108,26 @@ _select = jax.jit(lambda m, k, sel: bm.select_blocks(m, k, selection=sel), stati
 
 
 def test_prefix_counts_are_exact_over_many_chunks():
-    """The matmul prefix sums equal numpy's cumsum over rows of many 256-chunks (and a ragged tail), dense
-    and sparse flags: the sums are exact, not rounded by bf16 or tf32."""
-    from pallas_kernels.block_max.select import prefix_counts
+    """The matmul prefix sums of two disjoint flag rows equal numpy's cumsum over rows of many 256-chunks (and a
+    ragged tail), dense and sparse flags: the sums are exact, not rounded by bf16 or tf32."""
+    from pallas_kernels.block_max.select import disjoint_prefix_counts
 
     rng = np.random.default_rng(3)
     for n in (1, 255, 257, 70001):
-        flags = np.stack([rng.random((3, n)) < p for p in (0.999, 0.01)], axis=1)  # [3, 2, n]
-        got = np.asarray(jax.jit(prefix_counts)(jnp.asarray(flags)))
-        np.testing.assert_array_equal(got, np.cumsum(flags, axis=-1), err_msg=f"n={n}")
+        for p in (0.999, 0.5, 0.01):
+            a = rng.random((3, n)) < p
+            b = (rng.random((3, n)) < 0.5) & ~a
+            got_a, got_b = jax.jit(disjoint_prefix_counts)(jnp.asarray(a), jnp.asarray(b))
+            for got, want in ((got_a, a), (got_b, b)):
+                got = np.asarray(got)
+                assert got.shape[1] == -(-n // 256) * 256
+                np.testing.assert_array_equal(got[:, :n], np.cumsum(want, axis=-1), err_msg=f"n={n} p={p}")
+                np.testing.assert_array_equal(got[:, n:], np.broadcast_to(got[:, n - 1:n], got[:, n:].shape))
 
 
 def test_radix_select_at_the_release_width():
     """2048 of 131072 block maxima (a 1M-position row) with a heavy tie at the threshold."""
-    from pallas_kernels.block_max.select import COUNT_LAYOUTS, select_top_blocks
+    from pallas_kernels.block_max.select import select_top_blocks
 
     rng = np.random.default_rng(4)
     bmax = rng.standard_normal((2, 131072)).astype(np.float32)
@@ -130,10 +136,8 @@ def test_radix_select_at_the_release_width():
     vals, idx = jax.lax.top_k(jnp.asarray(bmax), 2048)
     want = np.sort(np.where(np.asarray(vals) > -np.inf, np.asarray(idx), 131072), axis=-1)
     want = np.where(want < 131072, want, -1)
-    for layout in COUNT_LAYOUTS:  # every way of laying out a pass's counts finds the same threshold
-        got = np.asarray(jax.jit(select_top_blocks, static_argnums=1, static_argnames="layout")(
-            jnp.asarray(bmax), 2048, layout=layout))
-        np.testing.assert_array_equal(got, want, err_msg=layout)
+    got = np.asarray(jax.jit(select_top_blocks, static_argnums=1)(jnp.asarray(bmax), 2048))
+    np.testing.assert_array_equal(got, want)
     assert bmax.shape[-1] >= bm.RADIX_MIN_BLOCKS  # "auto" (the default) takes the radix path here
     np.testing.assert_array_equal(np.asarray(jax.jit(bm.select_blocks, static_argnums=1)(jnp.asarray(bmax), 2048)),
                                   want)

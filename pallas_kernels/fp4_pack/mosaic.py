@@ -70,7 +70,7 @@ LAYOUTS = ("rows", "wgmma")
 _ROWS_PER_LAYOUT_TILE = {"rows": 128, "wgmma": 64}
 
 
-def _encode(fmt: str, even_bits, odd_bits, bcast):
+def _encode(fmt: str, even_bits, odd_bits, bcast, bsearch: bool = False):
     """fp32 bit patterns of the even / odd lanes [C, P] -> (packed nibbles uint8 [C, P], scale byte uint8 [C]).
 
     ``bcast`` maps a per-group [C] array to [C, P] in the register layout of the inputs.
@@ -81,11 +81,12 @@ def _encode(fmt: str, even_bits, odd_bits, bcast):
     byte, thr = thresholds.group_scale(fmt, amax)
     thr = [bcast(t) for t in thr]
     sign = ((even_bits >> 28) & 0x08) | ((odd_bits >> 24) & 0x80)  # code bit 3 of each nibble
-    packed = thresholds.code_index(ae, thr) | (thresholds.code_index(ao, thr) << 4) | sign
+    code_index = thresholds.code_index_bsearch if bsearch else thresholds.code_index
+    packed = code_index(ae, thr) | (code_index(ao, thr) << 4) | sign
     return packed.astype(jnp.uint8), byte.astype(jnp.uint8)
 
 
-ENCODES = ("compare", "swar")
+ENCODES = ("compare", "bsearch", "swar")
 _GUARDS = -0x7FFF8000  # 0x80008000 as int32: a guard bit above each 15-bit magnitude of a word
 
 
@@ -191,7 +192,7 @@ def _kernel_body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
     def encode(w, bcast):
         if geo.encode == "swar":
             return _encode_words(geo.fmt, w, bcast)
-        return _encode(geo.fmt, *_lanes(w, geo.split), bcast)
+        return _encode(geo.fmt, *_lanes(w, geo.split), bcast, bsearch=geo.encode == "bsearch")
 
     def body(x_gmem, codes_gmem, scales_gmem, x_buf, c_buf, s_buf, barrier):
         def load(t, slot):
@@ -248,7 +249,8 @@ def _kernel_body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
 
 
 STEP_BYTES = 16 * 1024  # input bytes per TMA tile by default: with 2 stages and the outputs ~ 45 KB of SMEM
-# per CTA, three CTAs per SM; the fastest setting measured on the H200 at 128K x 512 (BENCHMARKS.md)
+# per CTA, three CTAs per SM, 256 groups per register pass; the fastest setting measured on the H200 at
+# 128K x 512 (BENCHMARKS.md)
 
 
 def default_rows_per_step(r: int, n: int, block: int, split: bool, n_ctas: int, step_bytes: int = STEP_BYTES) -> int:
@@ -274,7 +276,7 @@ def _to_kernel_input(x, block: int):
 @functools.partial(jax.jit, static_argnames=("fmt", "rows_per_step", "step_bytes", "chunk", "stages",
                                              "ctas_per_sm", "layout_name", "no_auto_barriers", "encode",
                                              "interpret"))
-def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STEP_BYTES, chunk: int = 128,
+def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STEP_BYTES, chunk: int = 256,
          stages: int = 2, ctas_per_sm: int = 3, layout_name: str = "rows", no_auto_barriers: bool = True,
          encode: str = "compare", interpret: bool = False):
     """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit.
@@ -285,9 +287,11 @@ def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STE
     ``layout_name="rows"``, of 64 for ``"wgmma"``), ``stages`` input slots per CTA, ``ctas_per_sm``
     resident CTAs per SM (sizes the persistent grid), ``no_auto_barriers`` drops the barriers Pallas puts
     around each SMEM store (the kernel never reads back what it stores; ``stream`` synchronises before
-    every TMA). ``encode="swar"`` (bf16 input) counts thresholds for both lanes of a word at once
-    (:func:`_encode_words`; bit-exact, not yet timed on a GPU). ``interpret=True`` runs the GPU
-    interpreter (CPU; no register layouts).
+    every TMA). ``encode`` picks the code index: ``"compare"`` (7 compares a lane, the default),
+    ``"bsearch"`` (a binary search: 3 compares and 3 selects, ``thresholds.code_index_bsearch``) or
+    ``"swar"`` (bf16 input: both lanes of a word per subtraction, :func:`_encode_words`); all bit-exact,
+    and on the H200 the default was fastest or equal (the loop, not the encode, bounds the kernel:
+    BENCHMARKS.md). ``interpret=True`` runs the GPU interpreter (CPU; no register layouts).
     """
     block, lead, n = layout.FORMATS[fmt], x.shape[:-1], x.shape[-1]
     if n % block:

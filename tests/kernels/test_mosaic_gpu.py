@@ -253,6 +253,15 @@ def test_fp4_interpreted_swar_encode(fmt, n):
         fp4_mosaic.pack(jnp.zeros((8, n), jnp.float32), fmt, encode="swar")
 
 
+@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 96)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp4_interpreted_bsearch_encode(fmt, n, dtype):
+    """The binary-search code index on every case, both input dtypes."""
+    x = np.asarray(jnp.asarray(all_fp4_cases(fmt, n), dtype).astype(jnp.float32))
+    impl = functools.partial(fp4_mosaic.pack, encode="bsearch", interpret=True)
+    _fp4_check(impl, x, fmt, f"interpret bsearch {fmt} N={n} {jnp.dtype(dtype).name}", dtype)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fp4_interpreted_leading_dims_and_empty(fmt):
     rng = np.random.default_rng(1)
@@ -316,8 +325,9 @@ def test_fp4_lowers_to_mosaic_gpu(variant, fmt, n, dtype):
 
 
 @pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 1024)])
-def test_swar_encode_lowers_to_mosaic_gpu(fmt, n):
-    _lowers(functools.partial(fp4_mosaic.pack, fmt=fmt, encode="swar"), jax.ShapeDtypeStruct((300, n), jnp.bfloat16))
+@pytest.mark.parametrize("encode", ["swar", "bsearch"])
+def test_other_encodes_lower_to_mosaic_gpu(fmt, n, encode):
+    _lowers(functools.partial(fp4_mosaic.pack, fmt=fmt, encode=encode), jax.ShapeDtypeStruct((300, n), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 1024), ("mxfp4", 64)])
@@ -399,13 +409,14 @@ def test_fp4_on_device(variant, fmt, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128)])
-def test_fp4_swar_encode_on_device(fmt, n):
-    impl = functools.partial(fp4_mosaic.pack, encode="swar")
+@pytest.mark.parametrize("encode", ["swar", "bsearch"])
+def test_fp4_other_encodes_on_device(fmt, n, encode):
+    impl = functools.partial(fp4_mosaic.pack, encode=encode)
     x_all, _ = _named_rows(fmt, n)
     big = np.random.default_rng(3).standard_normal((4099, n)).astype(np.float32)
     for x, label in ((x_all, "cases"), (big, "4099 rows"), (big[:3], "3 rows")):
         x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
-        _fp4_check(impl, x, fmt, f"swar {fmt} N={n} {label}", jnp.bfloat16)
+        _fp4_check(impl, x, fmt, f"{encode} {fmt} N={n} {label}", jnp.bfloat16)
 
 
 @pytest.mark.gpu

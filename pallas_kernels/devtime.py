@@ -30,8 +30,8 @@ def stream_kernels(trace) -> list[dict]:
 
 
 def summarize(kernels: list[dict], calls: int, top: int = 6) -> dict:
-    """Per call: summed kernel time, first-start-to-last-end span, kernel count, and the costliest kernels
-    (name -> µs per call)."""
+    """Per call: summed kernel time, first-start-to-last-end span, kernel count, the costliest kernels
+    (name -> µs per call) and the last call's kernels in order."""
     if not kernels:
         return {"busy_us": None, "span_us": None, "kernels_per_call": 0, "top": {}}
     busy = sum(float(e.get("dur", 0.0)) for e in kernels)
@@ -40,9 +40,14 @@ def summarize(kernels: list[dict], calls: int, top: int = 6) -> dict:
     by_name = collections.Counter()
     for e in kernels:
         by_name[e.get("name", "?")[:80]] += float(e.get("dur", 0.0))
+    ordered = sorted(kernels, key=lambda e: float(e["ts"]))
+    per_call = len(kernels) // calls if len(kernels) % calls == 0 else 0
     return {"busy_us": round(busy / calls, 2), "span_us": round((end - start) / calls, 2),
             "kernels_per_call": round(len(kernels) / calls, 2),
-            "top": {k: round(v / calls, 2) for k, v in by_name.most_common(top)}}
+            "top": {k: round(v / calls, 2) for k, v in by_name.most_common(top)},
+            # the last call's kernels in launch order (when every call launched as many)
+            "last_call": [[e.get("name", "?")[:48], round(float(e.get("dur", 0.0)), 2)]
+                          for e in ordered[len(ordered) - per_call:]] if per_call else []}
 
 
 def device_time(fn, *args, calls: int = 20, warmup: int = 2) -> dict | None:

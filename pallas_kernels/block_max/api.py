@@ -32,7 +32,7 @@ def block_max(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block
     return tpu.block_max(scores, n_visible, block_size, interpret=platform != "tpu")
 
 
-SELECTIONS = ("auto", "top_k", "radix")
+SELECTIONS = ("auto", "top_k", "radix", "radix_kernel")
 # "auto" takes the radix select from this many blocks per row: on the H200 it was 2.8x faster than top_k at
 # 131072 blocks x 8 rows, 5.6x at x 32 rows and 1.5x at 16384 blocks x 128 rows (BENCHMARKS.md); below
 # 16384 blocks a row, top_k's sort fits one kernel and was not measured against it
@@ -44,24 +44,31 @@ def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B 
     """Per query, the top ``n_blocks`` blocks by block max (newest visible block pinned), dropping blocks
     with no visible score; ascending, −1 padded. Ties go to the lower block index (``lax.top_k``, spec §6.3).
     ``selection="radix"`` finds the same blocks without a sort (``select.select_top_blocks``);
-    ``"auto"`` uses it from ``RADIX_MIN_BLOCKS`` blocks per row, else ``top_k``.
+    ``"auto"`` uses it from ``RADIX_MIN_BLOCKS`` blocks per row, else ``top_k``. With ``backend="pallas"``
+    on GPU the radix search runs its passes as Mosaic GPU kernels (``radix_mosaic``).
     """
     # the ids are discrete: no gradient flows back, and pallas_call need not be differentiated when the
     # scores carry one (the indexer's own loss differentiates them)
     scores = jax.lax.stop_gradient(scores)
     bmax = block_max(scores, n_visible, block_size, backend=backend)  # [B, S, NB]
-    return select_blocks(bmax, n_blocks, selection=selection)
+    return select_blocks(bmax, n_blocks, selection=selection, backend=backend)
 
 
-def select_blocks(bmax: Float[Array, "*B NB"], n_blocks: int, *, selection: str = "auto") -> Int[Array, "*B K"]:
+def select_blocks(bmax: Float[Array, "*B NB"], n_blocks: int, *, selection: str = "auto",
+                  backend: str = "xla") -> Int[Array, "*B K"]:
     """The candidate ids from block maxima: the top ``n_blocks`` (lower index first on ties) with a maximum
-    above −∞, ascending, −1 padded."""
+    above −∞, ascending, −1 padded. ``selection="radix_kernel"`` is the radix select with its passes in
+    Mosaic GPU kernels (interpreted off GPU); ``backend="pallas"`` takes it for ``"radix"`` on GPU."""
     if selection not in SELECTIONS:
         raise ValueError(f"select_blocks: selection must be one of {SELECTIONS}, got {selection!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"select_blocks: backend must be one of {BACKENDS}, got {backend!r}")
     if selection == "auto":
         selection = "radix" if bmax.shape[-1] >= RADIX_MIN_BLOCKS else "top_k"
-    if selection == "radix":
-        return select.select_top_blocks(bmax, n_blocks)
+    if selection == "radix" and backend == "pallas" and jax.default_backend() == "gpu":
+        selection = "radix_kernel"
+    if selection in ("radix", "radix_kernel"):  # radix_kernel: the search's passes in Mosaic GPU kernels
+        return select.select_top_blocks(bmax, n_blocks, kernel=selection == "radix_kernel")
     nb = bmax.shape[-1]
     vals, idx = jax.lax.top_k(bmax, min(n_blocks, nb))  # ties: lower block index, as the reference
     ids = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)  # dropped blocks sort last

@@ -54,12 +54,14 @@ def main() -> None:
             want_sel = got if want_sel is None else want_sel
 
 
+# radix: the XLA passes; radix_kernel: the passes in Mosaic GPU kernels (what backend="pallas" takes on GPU)
 SELECTIONS = {"top_k": dict(selection="top_k"), "radix": dict(selection="radix")}
+if jax.default_backend() == "gpu":
+    SELECTIONS["radix_kernel"] = dict(selection="radix_kernel")
 # the selection alone
 SELECT_ONLY = {"top_k": lambda m: api.select_blocks(m, TOPK, selection="top_k"),
                "radix": lambda m: api.select_blocks(m, TOPK, selection="radix"),
-               "radix_chunk2048": functools.partial(select.select_top_blocks, k=TOPK, chunk=2048),
-               "radix_chunk8192": functools.partial(select.select_top_blocks, k=TOPK, chunk=8192)}
+               "radix_kernel": functools.partial(select.select_top_blocks, k=TOPK, kernel=True)}
 
 
 if __name__ == "__main__":

@@ -100,16 +100,23 @@ def disjoint_prefix_counts(a: Bool[Array, "R N"], b: Bool[Array, "R N"]) -> tupl
             (wb + offsets[:, 1, :, None]).reshape(r, m * _CHUNK))
 
 
-def select_top_blocks(bmax: Float[Array, "*B NB"], k: int, *, chunk: int = _COUNT_CHUNK) -> Int[Array, "*B K"]:
+def select_top_blocks(bmax: Float[Array, "*B NB"], k: int, *, chunk: int = _COUNT_CHUNK,
+                      kernel: bool = False) -> Int[Array, "*B K"]:
     """Ascending ids of the top ``min(k, NB)`` blocks (ties to the lower index) whose maximum is > −∞, −1
-    padded: equal to sorting ``lax.top_k``'s indices after dropping −∞ values."""
+    padded: equal to sorting ``lax.top_k``'s indices after dropping −∞ values. ``kernel=True`` runs the
+    threshold search's passes as Mosaic GPU kernels (``radix_mosaic``; interpreted off GPU)."""
     lead, nb = bmax.shape[:-1], bmax.shape[-1]
     k = min(k, nb)
     flat = bmax.reshape(-1, nb)
     # materialised once: fused into each pass's count, the key's computation ran in every pass (and with
     # the Mosaic block max feeding it, XLA's count fusions were 2.4x slower on the H200)
     key = jax.lax.optimization_barrier(order_key(flat))
-    threshold = kth_largest_key(key, k, chunk=chunk)[:, None]
+    if kernel:
+        from pallas_kernels.block_max import radix_mosaic
+
+        threshold = radix_mosaic.kth_largest_key(key, k, interpret=jax.default_backend() != "gpu")[:, None]
+    else:
+        threshold = kth_largest_key(key, k, chunk=chunk)[:, None]
     above = key > threshold
     tie = (key == threshold) & (flat > -jnp.inf)  # ties at −∞ are dropped, never kept
     n_above, n_tie = disjoint_prefix_counts(above, tie)  # [R, NBp], NBp = NB rounded up to 256

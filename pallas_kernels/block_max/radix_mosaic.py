@@ -1,0 +1,135 @@
+"""The radix select's passes (``select.kth_largest_key``) as Mosaic GPU kernels: one kernel a pass.
+
+In XLA a pass is three kernels (the count over key chunks, the sum over chunks with the digit, the prefix
+update), because XLA materialises between reductions; at 8 rows the two small ones are a third of the
+search (BENCHMARKS.md). Here each CTA of pass p first finishes pass p - 1 for its row from that pass's
+per-CTA partial counts (C x 15 scalars, read from GMEM), so that the digit and the prefix cost no launch,
+then counts its own keys.
+
+Keys are the order-preserving uint32 keys with the sign bit flipped (int32 whose signed order is the
+keys' order), viewed as [R * C * T * 128, P] rows of P = 32 keys: CTA (r, c) owns T tiles of 128 rows.
+Padding keys are INT32_MIN, below every threshold (thresholds are >= 1 as uint32). In registers a tile is
+[128, P] with one row per thread (``fp4_pack.mosaic.rows_layout``): the 15 compares and sums of a row stay
+in the thread; the 15 per-thread counters are summed across the warpgroup once per CTA. A CTA writes 128
+int32: its 15 counts and, at index 15, the prefix it counted against.
+
+On the H200 (BENCHMARKS.md) this is 20 kernels against the XLA search's 33 and 73.7 against 76.4 µs at
+[8, 131072] blocks: a pass is ~6.2 µs, of which ~2.2 µs is the scalar reads of the previous pass's
+C x 16 partials (the first pass, which has none, takes 4.0 µs). Reading them through TMA and one
+vector reduction, and one cross-warp reduction of all 15 counters instead of 15, are the next steps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import mosaic_stream as ms
+from pallas_kernels.fp4_pack.mosaic import rows_layout
+
+P = 32  # keys per thread row (128 bytes)
+TILE = 128 * P  # keys per TMA tile
+OUT = 128  # int32 per CTA partial: 15 counts, the prefix at index 15, zeros
+BINS = 16
+_SIGN = -(1 << 31)
+
+
+def _i32(v: int) -> int:
+    """A 32-bit pattern as a Python int in int32's range."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >> 31 else v
+
+
+def geometry(r: int, n: int, target_ctas: int = 2 * ms.DEFAULT_NUM_SMS) -> tuple[int, int]:
+    """(CTAs per row C, tiles per CTA T) for R rows of N keys: about ``target_ctas`` CTAs in all."""
+    tiles = -(-n // TILE)
+    c = max(1, min(tiles, -(-target_ctas // r)))
+    return c, -(-tiles // c)
+
+
+def to_kernel_keys(key, c: int, t: int):
+    """uint32 keys [R, N] -> int32 rows [R * C * T * 128, P] (sign-flipped, padded with INT32_MIN)."""
+    r, n = key.shape
+    s = lax.bitcast_convert_type(key ^ jnp.uint32(1 << 31), jnp.int32)
+    s = jnp.pad(s, ((0, 0), (0, c * t * TILE - n)), constant_values=_SIGN)
+    return s.reshape(r * c * t * 128, P)
+
+
+def _digit_and_prefix(prev_gmem, row, c: int, k, prev_shift: int):
+    """From pass p - 1's partials of ``row``: its prefix with the digit it found, as int32 bits."""
+    counts = [prev_gmem[row, 0, j] for j in range(BINS - 1)]
+    for ci in range(1, c):
+        counts = [a + prev_gmem[row, ci, j] for j, a in enumerate(counts)]
+    digit = sum((a >= k).astype(jnp.int32) for a in counts)
+    return prev_gmem[row, 0, BINS - 1] | (digit << prev_shift)
+
+
+@functools.partial(jax.jit, static_argnames=("shift", "prev_shift", "c", "t", "interpret"))
+def count_pass(keys, prev, k, *, shift: int, prev_shift: int | None, c: int, t: int, interpret: bool = False):
+    """One pass: ``keys`` from :func:`to_kernel_keys`, ``prev`` [R, C, 128] the previous pass's partials
+    (ignored for the first pass, ``prev_shift=None``), ``k`` an int32 [1] -> this pass's partials
+    [R, C, 128]."""
+    rows = keys.shape[0] // (c * t * 128)
+    n_ctas = rows * c
+
+    def body(keys_gmem, prev_gmem, k_gmem, out_gmem, k_buf, o_buf, barrier):
+        cta = lax.axis_index(ms.CTA_AXIS)
+        row = cta // c
+        if prev_shift is None:
+            prefix = jnp.int32(0)
+        else:
+            prefix = _digit_and_prefix(prev_gmem, row, c, k_gmem[0], prev_shift)
+        for i in range(t):  # all of this CTA's tiles in flight at once
+            plgpu.copy_gmem_to_smem(keys_gmem.at[pl.ds((cta * t + i) * 128, 128)], k_buf.at[i], barrier.at[i])
+        thresholds = [(prefix | _i32(j << shift)) ^ _SIGN for j in range(1, BINS)]  # signed order of the keys
+        if interpret:
+            counts = [jnp.int32(0)] * (BINS - 1)
+            for i in range(t):
+                plgpu.barrier_wait(barrier.at[i])
+                x = k_buf[i]
+                counts = [a + jnp.sum((x >= th).astype(jnp.int32)) for a, th in zip(counts, thresholds, strict=True)]
+            lane = lax.broadcasted_iota(jnp.int32, (OUT,), 0)
+        else:
+            reg = rows_layout(P)
+            acc = None
+            for i in range(t):
+                plgpu.barrier_wait(barrier.at[i])
+                x = ms.load(k_buf.at[i], reg)
+                hits = [jnp.sum((x >= th).astype(jnp.int32), axis=1) for th in thresholds]  # [128] per thread
+                acc = hits if acc is None else [a + h for a, h in zip(acc, hits, strict=True)]
+            counts = [jnp.sum(a) for a in acc]  # across the warpgroup
+            lane = plgpu.broadcasted_iota(jnp.int32, (OUT,), 0, layout=reg.reduce(1))
+        out = jnp.where(lane == BINS - 1, prefix, 0)
+        for j, a in enumerate(counts):
+            out = jnp.where(lane == j, a, out)
+        o_buf[...] = out
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_buf, out_gmem.at[cta])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [plgpu.SMEM((t, 128, P), jnp.int32), plgpu.SMEM((OUT,), jnp.int32),
+               plgpu.Barrier(num_arrivals=1, num_barriers=t)]
+    out = ms.kernel(body, out_type=jax.ShapeDtypeStruct((n_ctas, OUT), jnp.int32), scratch_types=scratch,
+                    n_ctas=n_ctas, interpret=interpret)(keys, prev.reshape(rows, c, OUT), k)
+    return out.reshape(rows, c, OUT)
+
+
+def kth_largest_key(key, k: int, *, target_ctas: int = 2 * ms.DEFAULT_NUM_SMS, interpret: bool = False):
+    """``select.kth_largest_key`` with one Mosaic GPU kernel a pass (uint32 keys [R, N] -> [R])."""
+    r, n = key.shape
+    c, t = geometry(r, n, target_ctas)
+    keys = to_kernel_keys(key, c, t)
+    part = jnp.zeros((r, c, OUT), jnp.int32)
+    k_arr = jnp.full((1,), k, jnp.int32)  # traced: one compile for every k
+    prev_shift = None
+    for shift in range(32 - 4, -1, -4):
+        part = count_pass(keys, part, k_arr, shift=shift, prev_shift=prev_shift, c=c, t=t, interpret=interpret)
+        prev_shift = shift
+    counts = part[..., : BINS - 1].sum(axis=1)  # the last pass, finished in XLA
+    digit = jnp.sum(counts >= k, axis=1, dtype=jnp.int32)
+    return lax.bitcast_convert_type(part[:, 0, BINS - 1] | digit, jnp.uint32)

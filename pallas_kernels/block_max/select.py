@@ -10,10 +10,10 @@ Listing them in index order gives the ascending block ids the Reindex layers con
 * Threshold: the k-th largest of order-preserving 32-bit keys is the largest t with #{key >= t} >= k. Eight
   passes of a 16-ary search find it, 4 bits a pass: with the bits above fixed (P), each pass counts
   #{key >= P | j << shift} for j = 1..15 and keeps the largest j whose count is still >= k. No per-pass rank
-  bookkeeping: the counts are of the whole row. A pass is two XLA kernels: a variadic reduction (15
-  operands, each key read once, 15 accumulators per thread) over chunks of ``_COUNT_CHUNK`` keys, then the
-  sum over the chunks with the digit in its epilogue.
-  8-bit digits (4 passes of 256 counts) and other layouts of the counts were slower on the H200
+  bookkeeping: the counts are of the whole row. On the H200 a pass is three XLA kernels: a variadic
+  reduction (15 operands, each key read once, 15 accumulators per thread) over chunks of ``_COUNT_CHUNK``
+  keys, the sum over the chunks with the digit, and the prefix update (``radix_mosaic`` does a pass in one
+  Mosaic GPU kernel). 8-bit digits (4 passes of 256 counts) and other layouts of the counts were slower on the H200
   (BENCHMARKS.md).
 * Positions in the output: a block's slot is (blocks above the threshold before it) + min(ties before it,
   ties needed). Both prefix counts come from one matmul against a triangular 0/1 matrix per chunk of 256
@@ -21,7 +21,7 @@ Listing them in index order gives the ascending block ids the Reindex layers con
   the chunk totals (each <= 256, so exact in bf16; fp32 sums exact below 2^24). XLA's ``cumsum`` is an
   associative scan of ~2 log2(N) kernels on GPU; the matmuls are two.
 
-Pure XLA, so it runs on every backend.
+Pure XLA, so it runs on every backend (``kernel=True`` swaps the threshold search for ``radix_mosaic``'s).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from jaxtyping import Array, Bool, Float, Int
 _DIGIT_BITS = 4
 _BINS = 1 << _DIGIT_BITS
 _CHUNK = 256  # blocks per triangular matmul
-_COUNT_CHUNK = 4096  # keys per first-stage count (the fastest of 1024-4096 at all three bench shapes on the H200)
+_COUNT_CHUNK = 4096  # keys per first-stage count: the fastest of 256-8192 at all three bench shapes on the H200
 
 
 def order_key(x: Float[Array, "*B N"]) -> Array:
@@ -65,8 +65,8 @@ def _search_digit(key: Array, prefix: Array, shift: int, k: int, chunk: int) -> 
 def kth_largest_key(key: Array, k: int, *, chunk: int = _COUNT_CHUNK) -> Array:
     """Per row of ``key`` [R, N] (1 <= k <= N): the k-th largest key, counted with multiplicity.
 
-    The digits stay separate arrays and each pass ORs them into its prefix inside its own count kernel:
-    materialising the prefix after each pass was one more kernel a pass on the H200.
+    The digits stay separate arrays, each pass ORing them into its prefix, so that XLA may fuse the prefix
+    into the pass's count; on the H200 it still materialises it (one small kernel a pass).
     """
     digits = []  # (digit [R], shift), invariant: #{key >= prefix} >= k
     for shift in range(32 - _DIGIT_BITS, -1, -_DIGIT_BITS):

@@ -45,10 +45,16 @@ def _i32(v: int) -> int:
     return v - (1 << 32) if v >> 31 else v
 
 
+MAX_CTAS_PER_ROW = 64  # each CTA of the next pass reads C x 15 partials as scalars
+MAX_TILES_PER_CTA = 12  # 16 KB each in SMEM, all in flight
+
+
 def geometry(r: int, n: int, target_ctas: int = 2 * ms.DEFAULT_NUM_SMS) -> tuple[int, int]:
-    """(CTAs per row C, tiles per CTA T) for R rows of N keys: about ``target_ctas`` CTAs in all."""
+    """(CTAs per row C, tiles per CTA T) for R rows of N keys: about ``target_ctas`` CTAs in all, at most
+    ``MAX_CTAS_PER_ROW`` a row unless the tiles would not fit in SMEM."""
     tiles = -(-n // TILE)
-    c = max(1, min(tiles, -(-target_ctas // r)))
+    c = max(1, min(tiles, -(-target_ctas // r), MAX_CTAS_PER_ROW))
+    c = max(c, -(-tiles // MAX_TILES_PER_CTA))
     return c, -(-tiles // c)
 
 

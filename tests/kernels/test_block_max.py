@@ -173,6 +173,11 @@ def test_radix_kernel_passes_interpreted():
             got = np.asarray(radix_mosaic.kth_largest_key(key, k, target_ctas=target, interpret=True))
             np.testing.assert_array_equal(got, want, err_msg=f"{(r, n, target)} k={k}")
     assert radix_mosaic.geometry(1, 20000, 2) == (2, 3)  # the second case runs 3 tiles a CTA
+    # the shapes timed on the H200, and the caps: <= 64 CTAs a row unless the tiles would overflow SMEM
+    assert [radix_mosaic.geometry(r, n) for r, n in ((8, 131072), (128, 16384), (32, 131072))] == [
+        (32, 1), (3, 2), (9, 4)]
+    assert radix_mosaic.geometry(1, 1 << 20) == (64, 4)
+    assert radix_mosaic.geometry(1, 1 << 24) == (342, 12)
 
 
 def test_radix_kernel_selection_interpreted():

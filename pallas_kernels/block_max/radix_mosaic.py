@@ -35,7 +35,8 @@ from pallas_kernels.fp4_pack.mosaic import rows_layout
 P = 32  # keys per thread row (128 bytes)
 TILE = 128 * P  # keys per TMA tile
 OUT = 128  # int32 per CTA partial: 15 counts, the prefix at index 15, zeros
-BINS = 16
+DIGIT_BITS = 4  # as select's XLA passes
+BINS = 1 << DIGIT_BITS
 _SIGN = -(1 << 31)
 
 
@@ -133,9 +134,9 @@ def kth_largest_key(key, k: int, *, target_ctas: int = 2 * ms.DEFAULT_NUM_SMS, i
     part = jnp.zeros((r, c, OUT), jnp.int32)
     k_arr = jnp.full((1,), k, jnp.int32)  # traced: one compile for every k
     prev_shift = None
-    for shift in range(32 - 4, -1, -4):
+    for shift in range(32 - DIGIT_BITS, -1, -DIGIT_BITS):
         part = count_pass(keys, part, k_arr, shift=shift, prev_shift=prev_shift, c=c, t=t, interpret=interpret)
         prev_shift = shift
-    counts = part[..., : BINS - 1].sum(axis=1)  # the last pass, finished in XLA
-    digit = jnp.sum(counts >= k, axis=1, dtype=jnp.int32)
+    counts = part[..., : BINS - 1].sum(axis=1)  # the last pass, finished in XLA (its shift is 0)
+    digit = jnp.sum(counts >= k, axis=1, dtype=jnp.int32)  # as select.digit_from_counts, in int32 bits
     return lax.bitcast_convert_type(part[:, 0, BINS - 1] | digit, jnp.uint32)

@@ -26,12 +26,12 @@ Pure XLA, so it runs on every backend (``kernel=True`` swaps the threshold searc
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
+
+from pallas_kernels.block_max import radix_mosaic
 
 _DIGIT_BITS = 4
 _BINS = 1 << _DIGIT_BITS
@@ -49,30 +49,29 @@ def _sum(a, b):
     return tuple(x + y for x, y in zip(a, b, strict=True))
 
 
-def _search_digit(key: Array, prefix: Array, shift: int, k: int, chunk: int) -> Array:
-    """One 4-bit digit of the k-th largest key: the largest j in 0..15 with #{key >= prefix | j << shift} >= k
-    (the bits of prefix below shift + 4 are zero)."""
+def digit_from_counts(counts: Int[Array, "R 15"], k) -> Array:
+    """The digit of a pass from its counts #{key >= prefix | j << shift}, j = 1..15 (falling with j): the
+    largest j whose count is still >= k (0: none)."""
+    return jnp.sum(counts >= k, axis=1, dtype=jnp.uint32)
+
+
+def _search_digit(key: Array, prefix: Array, shift: int, k: int) -> Array:
+    """One 4-bit digit of the k-th largest key (the bits of prefix below shift + 4 are zero)."""
     r, n = key.shape
-    c = -(-n // chunk)
-    chunks = jnp.pad(key, ((0, 0), (0, c * chunk - n))).reshape(r, c, chunk)  # 0 pads: every t is >= 1
+    c = -(-n // _COUNT_CHUNK)
+    chunks = jnp.pad(key, ((0, 0), (0, c * _COUNT_CHUNK - n))).reshape(r, c, _COUNT_CHUNK)  # 0 pads: t >= 1
     hits = tuple((chunks >= (prefix | jnp.uint32(j << shift))[:, None, None]).astype(jnp.int32)
                  for j in range(1, _BINS))
     partial = jax.lax.reduce(hits, (jnp.int32(0),) * len(hits), _sum, (2,))  # 15 x [R, C]
-    counts = jnp.sum(jnp.stack(partial, axis=2), axis=1)  # [R, 15], falling with j
-    return sum((counts[:, j] >= k).astype(jnp.uint32) for j in range(_BINS - 1))
+    return digit_from_counts(jnp.sum(jnp.stack(partial, axis=2), axis=1), k)
 
 
-def kth_largest_key(key: Array, k: int, *, chunk: int = _COUNT_CHUNK) -> Array:
-    """Per row of ``key`` [R, N] (1 <= k <= N): the k-th largest key, counted with multiplicity.
-
-    The digits stay separate arrays, each pass ORing them into its prefix, so that XLA may fuse the prefix
-    into the pass's count; on the H200 it still materialises it (one small kernel a pass).
-    """
-    digits = []  # (digit [R], shift), invariant: #{key >= prefix} >= k
+def kth_largest_key(key: Array, k: int) -> Array:
+    """Per row of ``key`` [R, N] (1 <= k <= N): the k-th largest key, counted with multiplicity."""
+    prefix = jnp.zeros((key.shape[0],), jnp.uint32)  # invariant: #{key >= prefix} >= k
     for shift in range(32 - _DIGIT_BITS, -1, -_DIGIT_BITS):
-        prefix = functools.reduce(jnp.bitwise_or, (d << s for d, s in digits), jnp.zeros((key.shape[0],), jnp.uint32))
-        digits.append((_search_digit(key, prefix, shift, k, chunk), shift))
-    return functools.reduce(jnp.bitwise_or, (d << s for d, s in digits))
+        prefix = prefix | (_search_digit(key, prefix, shift, k) << shift)
+    return prefix
 
 
 def _triangle(n: int, strict: bool) -> np.ndarray:
@@ -100,8 +99,7 @@ def disjoint_prefix_counts(a: Bool[Array, "R N"], b: Bool[Array, "R N"]) -> tupl
             (wb + offsets[:, 1, :, None]).reshape(r, m * _CHUNK))
 
 
-def select_top_blocks(bmax: Float[Array, "*B NB"], k: int, *, chunk: int = _COUNT_CHUNK,
-                      kernel: bool = False) -> Int[Array, "*B K"]:
+def select_top_blocks(bmax: Float[Array, "*B NB"], k: int, *, kernel: bool = False) -> Int[Array, "*B K"]:
     """Ascending ids of the top ``min(k, NB)`` blocks (ties to the lower index) whose maximum is > −∞, −1
     padded: equal to sorting ``lax.top_k``'s indices after dropping −∞ values. ``kernel=True`` runs the
     threshold search's passes as Mosaic GPU kernels (``radix_mosaic``; interpreted off GPU)."""
@@ -112,11 +110,9 @@ def select_top_blocks(bmax: Float[Array, "*B NB"], k: int, *, chunk: int = _COUN
     # the Mosaic block max feeding it, XLA's count fusions were 2.4x slower on the H200)
     key = jax.lax.optimization_barrier(order_key(flat))
     if kernel:
-        from pallas_kernels.block_max import radix_mosaic
-
         threshold = radix_mosaic.kth_largest_key(key, k, interpret=jax.default_backend() != "gpu")[:, None]
     else:
-        threshold = kth_largest_key(key, k, chunk=chunk)[:, None]
+        threshold = kth_largest_key(key, k)[:, None]
     above = key > threshold
     tie = (key == threshold) & (flat > -jnp.inf)  # ties at −∞ are dropped, never kept
     n_above, n_tie = disjoint_prefix_counts(above, tie)  # [R, NBp], NBp = NB rounded up to 256

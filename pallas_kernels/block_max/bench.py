@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.bench_variants import measure
-from pallas_kernels.block_max import api, gpu
+from pallas_kernels.block_max import api, gpu, radix_cluster, radix_mosaic, select
 
 BLOCK, TOPK = 8, 2048  # candidate_block_size, candidate_topk_blocks of the release (spec attention §6)
 # (B, S, T): prefill-like 8 queries over 1M positions; decode batches of one query each
@@ -49,22 +49,33 @@ def main() -> None:
                 want_ids = ids if want_ids is None else want_ids
         # the selection alone, from the block maxima
         bmax = api.block_max(scores, n, BLOCK)
-        want_sel = None
+        want = {}
         for sel, fn in SELECT_ONLY.items():
+            kind = "search" if sel.startswith("search") else "select"  # each compared with its kind's first
             got = measure("select", "xla", fn, args=(bmax,), shape=bmax.shape, nbytes=bmax.size * 4,
-                          ops=bmax.size, iters=args.iters, stage=sel, want=want_sel)
-            want_sel = got if want_sel is None else want_sel
+                          ops=bmax.size, iters=args.iters, stage=sel, want=want.get(kind))
+            want.setdefault(kind, got)
 
 
-# radix: the XLA passes; radix_kernel: the passes in Mosaic GPU kernels (what backend="pallas" takes on GPU)
+# radix: the XLA passes; radix_passes: a Mosaic GPU kernel a pass; radix_kernel: the whole search in one Mosaic
+# GPU kernel, a cluster of CTAs a row (what backend="pallas" takes on GPU)
 SELECTIONS = {"top_k": dict(selection="top_k"), "radix": dict(selection="radix")}
 if jax.default_backend() == "gpu":
+    SELECTIONS["radix_passes"] = dict(selection="radix_passes")
     SELECTIONS["radix_kernel"] = dict(selection="radix_kernel")
 # the selection alone
 SELECT_ONLY = {"top_k": lambda m: api.select_blocks(m, TOPK, selection="top_k"),
                "radix": lambda m: api.select_blocks(m, TOPK, selection="radix")}
 if jax.default_backend() == "gpu":  # interpreted elsewhere: minutes at these shapes
+    SELECT_ONLY["radix_passes"] = lambda m: api.select_blocks(m, TOPK, selection="radix_passes")
     SELECT_ONLY["radix_kernel"] = lambda m: api.select_blocks(m, TOPK, selection="radix_kernel")
+    # the threshold search alone, by digit width (the one-kernel search) and a kernel a pass
+    for _b in radix_cluster.BITS:
+        SELECT_ONLY[f"search_cluster_{_b}bit"] = functools.partial(
+            lambda m, b: radix_cluster.kth_largest_key(m.reshape(-1, m.shape[-1]), TOPK, bits=b), b=_b)
+    SELECT_ONLY["search_passes"] = lambda m: radix_mosaic.kth_largest_key(
+        select.order_key(m.reshape(-1, m.shape[-1])), TOPK)
+    SELECT_ONLY["search_xla"] = lambda m: select.kth_largest_key(select.order_key(m.reshape(-1, m.shape[-1])), TOPK)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ Listing them in index order gives the ascending block ids the Reindex layers con
   the chunk totals (each <= 256, so exact in bf16; fp32 sums exact below 2^24). XLA's ``cumsum`` is an
   associative scan of ~2 log2(N) kernels on GPU; the matmuls are two.
 
-Pure XLA, so it runs on every backend (``kernel=True`` swaps the threshold search for ``radix_mosaic``'s).
+Pure XLA, so it runs on every backend; ``kernel`` swaps the threshold search for a Mosaic GPU one
+(``radix_mosaic``: a kernel a pass; ``radix_cluster``: one kernel, a cluster of CTAs a row).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.block_max import radix_mosaic
+from pallas_kernels.block_max import radix_cluster, radix_mosaic
 
 _DIGIT_BITS = 4
 _BINS = 1 << _DIGIT_BITS
@@ -99,20 +100,38 @@ def disjoint_prefix_counts(a: Bool[Array, "R N"], b: Bool[Array, "R N"]) -> tupl
             (wb + offsets[:, 1, :, None]).reshape(r, m * _CHUNK))
 
 
-def select_top_blocks(bmax: Float[Array, "*B NB"], k: int, *, kernel: bool = False) -> Int[Array, "*B K"]:
+KERNELS = (None, "passes", "cluster")
+
+
+def kth_largest(flat: Float[Array, "R N"], key: Array, k: int, kernel: str | None = None) -> Array:
+    """The k-th largest order key of each row (uint32 [R]): XLA passes (``kernel=None``), one Mosaic GPU
+    kernel a pass (``"passes"``, ``radix_mosaic``), or the whole search in one kernel with a cluster of CTAs a
+    row (``"cluster"``, ``radix_cluster``; rows too long for one cluster take ``"passes"``). The kernels are
+    interpreted off GPU."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kth_largest: kernel must be one of {KERNELS}, got {kernel!r}")
+    interpret = jax.default_backend() != "gpu"
+    if kernel == "cluster" and radix_cluster.supports(flat.shape[-1], interpret):
+        return radix_cluster.kth_largest_key(flat, k, ctas=radix_cluster.max_ctas(interpret), interpret=interpret)
+    if kernel is not None:
+        return radix_mosaic.kth_largest_key(key, k, interpret=interpret)
+    return kth_largest_key(key, k)
+
+
+def select_top_blocks(bmax: Float[Array, "*B NB"], k: int, *, kernel: str | None = None) -> Int[Array, "*B K"]:
     """Ascending ids of the top ``min(k, NB)`` blocks (ties to the lower index) whose maximum is > −∞, −1
-    padded: equal to sorting ``lax.top_k``'s indices after dropping −∞ values. ``kernel=True`` runs the
-    threshold search's passes as Mosaic GPU kernels (``radix_mosaic``; interpreted off GPU)."""
+    padded: equal to sorting ``lax.top_k``'s indices after dropping −∞ values. ``kernel`` picks how the
+    threshold is found (:func:`kth_largest`)."""
     lead, nb = bmax.shape[:-1], bmax.shape[-1]
     k = min(k, nb)
     flat = bmax.reshape(-1, nb)
-    # materialised once: fused into each pass's count, the key's computation ran in every pass (and with
-    # the Mosaic block max feeding it, XLA's count fusions were 2.4x slower on the H200)
-    key = jax.lax.optimization_barrier(order_key(flat))
-    if kernel:
-        threshold = radix_mosaic.kth_largest_key(key, k, interpret=jax.default_backend() != "gpu")[:, None]
+    if kernel == "cluster":  # the kernel reads the maxima itself; the flags below fuse the key
+        key = order_key(flat)
     else:
-        threshold = kth_largest_key(key, k)[:, None]
+        # materialised once: fused into each pass's count, the key's computation ran in every pass (and
+        # with the Mosaic block max feeding it, XLA's count fusions were 2.4x slower on the H200)
+        key = jax.lax.optimization_barrier(order_key(flat))
+    threshold = kth_largest(flat, key, k, kernel)[:, None]
     above = key > threshold
     tie = (key == threshold) & (flat > -jnp.inf)  # ties at −∞ are dropped, never kept
     n_above, n_tie = disjoint_prefix_counts(above, tie)  # [R, NBp], NBp = NB rounded up to 256

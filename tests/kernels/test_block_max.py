@@ -180,6 +180,41 @@ def test_radix_kernel_passes_interpreted():
     assert radix_mosaic.geometry(1, 1 << 24) == (342, 12)
 
 
+def _hard_rows(rng, r: int, n: int) -> np.ndarray:
+    """Rows with ties straddling k = n // 4 (row 0), a −∞ half (last row), ±0 and ±∞ values."""
+    x = rng.standard_normal((r, n)).astype(np.float32)
+    x[0, rng.choice(n, n // 3, replace=False)] = 1.25
+    x[-1, n // 2:] = -np.inf
+    x[r // 2, :4] = [0.0, -0.0, np.inf, -np.inf]
+    return x
+
+
+def test_radix_cluster_search_interpreted():
+    """The one-kernel search (interpreted) finds the XLA search's k-th largest key at every digit width:
+    several tiles a CTA, padded tails, ties, −∞ halves, k = 1, k inside and k = N. On jax >= 0.11 the rows
+    also span clusters of several CTAs (the 0.10 GPU interpreter has no cluster barriers: one CTA there)."""
+    from pallas_kernels.block_max import radix_cluster, select
+
+    rng = np.random.default_rng(21)
+    ctas = radix_cluster.max_ctas(True)
+    for r, n in ((3, 5000), (1, 9000), (2, 30)):
+        x = _hard_rows(rng, r, n)
+        key = select.order_key(jnp.asarray(x))
+        for bits in radix_cluster.BITS:
+            for k in (1, n // 4, n):
+                want = np.asarray(select.kth_largest_key(key, k))
+                got = np.asarray(radix_cluster.kth_largest_key(jnp.asarray(x), k, bits=bits, ctas=ctas,
+                                                               interpret=True))
+                np.testing.assert_array_equal(got, want, err_msg=f"{(r, n)} bits={bits} k={k}")
+    assert radix_cluster.geometry(5000) == (2, 1) and radix_cluster.geometry(9000, 1) == (1, 3)
+    assert [radix_cluster.geometry(n) for n in (131072, 16384, 8 * 12 * 4096)] == [(8, 4), (4, 1), (8, 12)]
+    assert radix_cluster.geometry(8 * 12 * 4096 + 1) is None  # too long for one cluster: the per-pass kernels
+    with pytest.raises(ValueError, match="ctas must be in"):
+        radix_cluster.geometry(100, 9)
+    with pytest.raises(ValueError, match="exceed the SMEM"):
+        radix_cluster.kth_largest_key(jnp.zeros((1, 60000)), 5, ctas=1, interpret=True)
+
+
 def test_radix_kernel_selection_interpreted():
     bmax = jnp.asarray(np.random.default_rng(5).standard_normal((2, 9000)).astype(np.float32))
     want = np.asarray(_select(bmax, 300, "top_k"))
@@ -203,6 +238,15 @@ def test_radix_kernel_lowers_to_mosaic_gpu():
     assert text.count("mosaic_gpu") >= 8  # one kernel a pass
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_radix_cluster_lowers_to_mosaic_gpu(bits):
+    """The one-kernel search lowers for a cuda target: clusters of 8 CTAs, the inline PTX exchange."""
+    from pallas_kernels.block_max import radix_cluster
+
+    fn = functools.partial(radix_cluster.kth_largest_key, k=2048, bits=bits)
+    jax.jit(fn).trace(jax.ShapeDtypeStruct((8, 131072), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
 @pytest.mark.gpu
 def test_radix_kernel_on_device():
     for b, t, k in ((8, 1 << 17, 2048), (32, 1 << 17, 2048), (128, 1 << 14, 2048), (3, 5000, 100)):
@@ -212,4 +256,22 @@ def test_radix_kernel_on_device():
         bmax[-1, t // 3:] = -np.inf
         bmax = jnp.asarray(bmax)
         want = np.asarray(_select(bmax, k, "top_k"))
-        np.testing.assert_array_equal(np.asarray(_select(bmax, k, "radix_kernel")), want, err_msg=f"{(b, t, k)}")
+        for sel in ("radix_kernel", "radix_passes"):
+            np.testing.assert_array_equal(np.asarray(_select(bmax, k, sel)), want, err_msg=f"{(b, t, k, sel)}")
+
+
+@pytest.mark.gpu
+def test_radix_cluster_on_device():
+    """The one-kernel search on the GPU == the XLA search, at every digit width and cluster size 1-8,
+    with ties, ±0, ±∞, padded tails and the longest row one cluster holds."""
+    from pallas_kernels.block_max import radix_cluster, select
+
+    rng = np.random.default_rng(7)
+    for r, n in ((8, 1 << 17), (32, 1 << 17), (128, 1 << 14), (3, 5000), (2, 4096), (1, 8 * 12 * 4096)):
+        x = _hard_rows(rng, r, n)
+        key = select.order_key(jnp.asarray(x))
+        for bits in radix_cluster.BITS:
+            for k in (1, 2048, n):
+                want = np.asarray(select.kth_largest_key(key, k))
+                got = np.asarray(radix_cluster.kth_largest_key(jnp.asarray(x), k, bits=bits))
+                np.testing.assert_array_equal(got, want, err_msg=f"{(r, n)} bits={bits} k={k}")

@@ -1,0 +1,238 @@
+"""The radix select's whole threshold search (``select.kth_largest_key``) in one Mosaic GPU kernel: a
+cluster of CTAs per row, its keys read from HBM once and kept in SMEM for every pass.
+
+``radix_mosaic`` launches a kernel a pass; at 8 rows of 131072 blocks each pass costs ~6 µs on the H200, of
+which launch, ramp and the re-read of the previous pass's partials are most (BENCHMARKS.md). Here the row's
+C CTAs form a thread-block cluster (C <= 8, the portable size), so the passes can synchronise inside the
+kernel: each CTA counts its keys against the pass's thresholds, pushes its counts into every peer's SMEM
+(distributed shared memory), and after one cluster barrier every CTA sums the C partials from its own SMEM
+and takes the digit. Nothing goes back to HBM until the threshold.
+
+Layout: the block maxima [R, N] (f32) are read as int32 bits, [R * C * T * 128, P] rows of P = 32 (CTA
+(r, c) owns T tiles of 128 rows, one row a thread in registers, ``fp4_pack.mosaic.rows_layout``); padding is
+-1, i.e. the bits of a NaN that maps to the lowest key. After the load each CTA rewrites its tiles in SMEM as
+the signed order key (``b`` if b >= 0 else ``b ^ 0x7FFFFFFF``, the int32 view of ``select.order_key`` with
+the sign bit flipped), so a pass is ``2^bits - 1`` compares per key.
+
+``bits`` is the digit width: 32 / bits passes of 2^bits - 1 counts. Fewer, wider digits cost compares; more,
+narrower ones cost cluster barriers (BENCHMARKS.md has the three timed). The per-CTA counts cross the
+warpgroup two to a word (each is at most the CTA's 49152 keys, below 2^16).
+
+Interpreted (CPU), the exchange goes through a GMEM buffer and a ``plgpu.ClusterBarrier``: the GPU
+interpreter has neither distributed shared memory nor inline PTX. The compiled kernel synchronises with
+``barrier.cluster.arrive.release`` / ``wait.acquire`` (every thread of the cluster, cluster-scope release and
+acquire, so the peers' stores into this CTA's SMEM are visible after the wait).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import mosaic_stream as ms
+from pallas_kernels.fp4_pack.mosaic import rows_layout
+
+P = 32  # keys per thread row (128 bytes)
+TILE = 128 * P  # keys per TMA tile
+OUT = 128  # int32 per exchanged vector: the counts at lanes 0 .. 2^bits - 2
+MAX_CLUSTER = 8  # the portable cluster size
+MAX_TILES_PER_CTA = 12  # 16 KB each in SMEM, all resident: <= 49152 keys a CTA (counts fit 16 bits)
+BITS = (1, 2, 4)
+DEFAULT_BITS = 4
+CLUSTER_AXIS, ROW_AXIS = "cl", "row"
+_SIGN = -(1 << 31)
+
+
+def _i32(v: int) -> int:
+    """A 32-bit pattern as a Python int in int32's range."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >> 31 else v
+
+
+def geometry(n: int, ctas: int | None = None) -> tuple[int, int] | None:
+    """(CTAs per row C, tiles per CTA T) for rows of N keys, or None when a row does not fit one cluster's
+    SMEM (more than 8 x 12 x 4096 keys). Every row is spread over as many CTAs as the cluster allows
+    (``ctas``, at most 8, caps it)."""
+    if ctas is not None and not 1 <= ctas <= MAX_CLUSTER:
+        raise ValueError(f"radix_cluster: ctas must be in [1, {MAX_CLUSTER}], got {ctas}")
+    tiles = -(-n // TILE)
+    c = max(1, min(tiles, ctas or MAX_CLUSTER))
+    t = -(-tiles // c)
+    return None if t > MAX_TILES_PER_CTA else (c, t)
+
+
+def supports(n: int, interpret: bool = False) -> bool:
+    """Whether rows of N keys fit one cluster (interpreted on jax < 0.11: one CTA, see :func:`max_ctas`)."""
+    return geometry(n, max_ctas(interpret)) is not None
+
+
+def max_ctas(interpret: bool) -> int | None:
+    """The cluster size cap: none compiled; interpreted, 1 on jax < 0.11, whose GPU interpreter has no
+    cluster barriers."""
+    return 1 if interpret and jax.__version_info__ < (0, 11) else None
+
+
+def to_kernel_rows(x, c: int, t: int):
+    """f32 [R, N] -> int32 bits [R * C * T * 128, P], padded with -1 (the lowest key)."""
+    r, n = x.shape
+    b = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    if c * t * TILE != n:
+        b = jnp.pad(b, ((0, 0), (0, c * t * TILE - n)), constant_values=-1)
+    return b.reshape(r * c * t * 128, P)
+
+
+def _exchange_sum(xbuf, vec, slot: int, c: int, layout):
+    """The cluster-wide sum of ``vec`` [OUT] (one element a thread), compiled path: each thread stores its
+    element into this CTA's ``xbuf[slot]``, the cluster synchronises (``barrier.cluster`` arrive with
+    release, wait with acquire, by every thread), and each thread adds the same element of the C CTAs'
+    buffers through distributed shared memory (``mapa`` + ``ld.shared::cluster``). Inline PTX: Mosaic GPU
+    lowers no vector or scalar access to a peer's SMEM in jax 0.11."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, gpu, llvm
+    from jaxlib.mlir.dialects import vector as vector_d
+
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), layout),
+                       return_type=plgpu.ShapeDtypeStruct((OUT,), jnp.int32, layout=layout))
+    def exchange(ctx, ref, arr):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        regs = arr.registers
+        if regs.size != 1 or ir.VectorType(regs.flat[0].type).shape != [1]:
+            raise NotImplementedError(f"radix_cluster: expected one element a thread, got registers {regs.shape}")
+        tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mu.c(OUT, i32))
+        base = llvm.ptrtoint(i32, mu.memref_ptr(ref))
+        addr = arith.addi(base, arith.muli(arith.addi(tid, mu.c(slot * OUT, i32)), mu.c(4, i32)))
+        val = llvm.extractelement(regs.flat[0], mu.c(0, i32))
+        loads = "".join(f"mapa.shared::cluster.u32 a, $1, {ci};\nld.shared::cluster.u32 v, [a];\n"
+                        f"add.u32 s, s, v;\n" for ci in range(c))
+        asm = ("{\n.reg .b32 a, v, s;\nst.shared.u32 [$1], $2;\nbarrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\nmov.u32 s, 0;\n" + loads + "mov.u32 $0, s;\n}")
+        total = llvm.inline_asm(i32, [addr, val], asm, "=r,r,r,~{memory}", has_side_effects=True)
+        out = vector_d.broadcast(regs.flat[0].type, total)
+        return fa.FragmentedArray(_registers=np.full(regs.shape, out, dtype=object),
+                                  _layout=arr.layout, _is_signed=True)
+
+    return exchange(xbuf, vec)
+
+
+def _pack_pairs(counts):
+    """Counts (each < 2^16) two to an int32, to halve the cross-warp reductions."""
+    return [a + (counts[i + 1] << 16) if i + 1 < len(counts) else a for i, a in enumerate(counts) if i % 2 == 0]
+
+
+def _unpack_pairs(words, n: int):
+    out = []
+    for w in words:
+        out += [w & 0xFFFF, lax.shift_right_logical(w, 16)]
+    return out[:n]
+
+
+@functools.partial(jax.jit, static_argnames=("c", "t", "bits", "interpret"))
+def search(rows, k, *, c: int, t: int, bits: int = DEFAULT_BITS, interpret: bool = False):
+    """``rows`` from :func:`to_kernel_rows`, ``k`` int32 [1] -> [R, OUT] int32: every lane the row's k-th
+    largest key (``select.order_key`` bits as int32)."""
+    if bits not in BITS:
+        raise ValueError(f"radix_cluster.search: bits must be one of {BITS}, got {bits}")
+    r = rows.shape[0] // (c * t * 128)
+    bins = 1 << bits
+    shifts = list(range(32 - bits, -1, -bits))
+
+    def body(x_gmem, k_gmem, *refs):
+        if interpret:
+            out_gmem, xch_gmem, keys, o_buf, barrier, *cbar = refs
+            cbar = cbar[0] if cbar else None
+        else:
+            out_gmem, keys, o_buf, xbuf, barrier = refs
+        row = lax.axis_index(ROW_AXIS)
+        me = lax.axis_index(CLUSTER_AXIS)
+        base = (row * c + me) * t
+        for i in range(t):
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds((base + i) * 128, 128)], keys.at[i], barrier.at[i])
+        reg = rows_layout(P)
+        for i in range(t):  # the signed order key, in place
+            plgpu.barrier_wait(barrier.at[i])
+            x = keys[i] if interpret else ms.load(keys.at[i], reg)
+            x = jnp.where(x < 0, x ^ 0x7FFFFFFF, x)
+            if interpret:
+                keys[i] = x
+            else:
+                keys.at[i][...] = x
+        kk = k_gmem[0]
+        if interpret:
+            lane = lax.broadcasted_iota(jnp.int32, (OUT,), 0)
+        else:
+            lane = plgpu.broadcasted_iota(jnp.int32, (OUT,), 0, layout=reg.reduce(1))
+        prefix = jnp.int32(0)
+        for p, shift in enumerate(shifts):
+            thresholds = [(prefix | _i32(j << shift)) ^ _SIGN for j in range(1, bins)]
+            if interpret:
+                counts = [sum(jnp.sum((keys[i] >= th).astype(jnp.int32)) for i in range(t)) for th in thresholds]
+            else:
+                acc = None
+                for i in range(t):
+                    x = ms.load(keys.at[i], reg)
+                    hits = [jnp.sum((x >= th).astype(jnp.int32), axis=1) for th in thresholds]
+                    acc = hits if acc is None else [a + h for a, h in zip(acc, hits, strict=True)]
+                counts = _unpack_pairs([jnp.sum(w) for w in _pack_pairs(acc)], bins - 1)
+            vec = jnp.zeros((OUT,), jnp.int32) if interpret else jnp.where(lane < 0, 1, 0)
+            for j, a in enumerate(counts):
+                vec = jnp.where(lane == j, a, vec)
+            slot = p % 2
+            if interpret:
+                xch_gmem[row, slot, me] = vec
+                if c > 1:  # (jax 0.10's interpreter has no cluster barriers: single-CTA rows there)
+                    plgpu.barrier_arrive(cbar)
+                    plgpu.barrier_wait(cbar)
+                total = sum(xch_gmem[row, slot, ci] for ci in range(c))
+            else:
+                total = _exchange_sum(xbuf, vec, slot, c, reg.reduce(1))
+            digit = jnp.sum(jnp.where((lane < bins - 1) & (total >= kk), 1, 0))  # counts fall with the lane
+            prefix = prefix | (digit << shift)
+
+        @pl.when(me == 0)
+        def _():
+            if interpret:
+                o_buf[...] = jnp.full((OUT,), prefix, jnp.int32)
+            else:
+                o_buf[...] = jnp.where(lane >= 0, prefix, 0)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_buf, out_gmem.at[row])
+            plgpu.wait_smem_to_gmem(0)
+
+    out_type = [jax.ShapeDtypeStruct((r, OUT), jnp.int32)]
+    scratch = [plgpu.SMEM((t, 128, P), jnp.int32), plgpu.SMEM((OUT,), jnp.int32)]
+    if interpret:
+        out_type.append(jax.ShapeDtypeStruct((r, 2, c, OUT), jnp.int32))
+        scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=t))
+        if c > 1:
+            scratch.append(plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,)))
+    else:
+        scratch += [plgpu.SMEM((2, OUT), jnp.int32), plgpu.Barrier(num_arrivals=1, num_barriers=t)]
+    kw = {"interpret": ms.interpret_params()} if interpret else {}
+    out = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=scratch, grid=(r,), grid_names=(ROW_AXIS,),
+                       cluster=(c,), cluster_names=(CLUSTER_AXIS,), **kw)(rows, k)
+    return out[0]
+
+
+def kth_largest_key(x, k: int, *, bits: int = DEFAULT_BITS, ctas: int | None = None, interpret: bool = False):
+    """``select.kth_largest_key(select.order_key(x), k)`` for f32 rows ``x`` [R, N] (uint32 [R]) in one
+    kernel. ``ctas`` overrides the CTAs a row (the cluster size). Raises if a row is too long for one
+    cluster (:func:`supports`)."""
+    r, n = x.shape
+    geo = geometry(n, ctas)
+    if geo is None:
+        raise ValueError(f"radix_cluster: rows of {n} keys exceed the SMEM of a cluster of "
+                         f"{ctas or MAX_CLUSTER} CTAs ({(ctas or MAX_CLUSTER) * MAX_TILES_PER_CTA * TILE} keys)")
+    c, t = geo
+    k_arr = jnp.full((1,), k, jnp.int32)  # traced: one compile for every k
+    out = search(to_kernel_rows(x, c, t), k_arr, c=c, t=t, bits=bits, interpret=interpret)
+    return lax.bitcast_convert_type(out[:, 0], jnp.uint32)

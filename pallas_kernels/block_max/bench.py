@@ -27,11 +27,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--shapes", default="", help="comma-separated indices into SHAPES (default: all)")
+    p.add_argument("--impls", default="", help="comma-separated block-max impls: xla, pallas, triton (default: all)")
     args = p.parse_args()
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
     impls = {b: functools.partial(api.block_max, backend=b) for b in api.BACKENDS}  # pallas: Mosaic GPU on GPU
     if jax.default_backend() == "gpu":
         impls["triton"] = gpu.block_max
+    if args.impls:
+        impls = {name: impls[name] for name in args.impls.split(",")}
     for b, s, t in shapes:
         scores = jax.random.normal(jax.random.key(0), (b, s, t), jnp.float32)
         n = jnp.full((b, s), t, jnp.int32) - jnp.arange(b * s, dtype=jnp.int32).reshape(b, s)
@@ -57,18 +60,18 @@ def main() -> None:
             want.setdefault(kind, got)
 
 
-# radix: the XLA passes; radix_passes: a Mosaic GPU kernel a pass; radix_kernel: the whole search in one Mosaic
-# GPU kernel, a cluster of CTAs a row (what backend="pallas" takes on GPU)
+# radix: the XLA passes; radix_kernel: a Mosaic GPU kernel a pass (what backend="pallas" takes on GPU);
+# radix_cluster: the whole search in one Mosaic GPU kernel, a cluster of CTAs a row
 SELECTIONS = {"top_k": dict(selection="top_k"), "radix": dict(selection="radix")}
 if jax.default_backend() == "gpu":
-    SELECTIONS["radix_passes"] = dict(selection="radix_passes")
     SELECTIONS["radix_kernel"] = dict(selection="radix_kernel")
+    SELECTIONS["radix_cluster"] = dict(selection="radix_cluster")
 # the selection alone
 SELECT_ONLY = {"top_k": lambda m: api.select_blocks(m, TOPK, selection="top_k"),
                "radix": lambda m: api.select_blocks(m, TOPK, selection="radix")}
 if jax.default_backend() == "gpu":  # interpreted elsewhere: minutes at these shapes
-    SELECT_ONLY["radix_passes"] = lambda m: api.select_blocks(m, TOPK, selection="radix_passes")
     SELECT_ONLY["radix_kernel"] = lambda m: api.select_blocks(m, TOPK, selection="radix_kernel")
+    SELECT_ONLY["radix_cluster"] = lambda m: api.select_blocks(m, TOPK, selection="radix_cluster")
     # the threshold search alone, by digit width (the one-kernel search) and a kernel a pass
     for _b in radix_cluster.BITS:
         SELECT_ONLY[f"search_cluster_{_b}bit"] = functools.partial(

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_stream as ms
+from pallas_kernels.block_max.radix_mosaic import _pack_pairs, _unpack_pairs, signed_key, to_kernel_rows
 from pallas_kernels.fp4_pack.mosaic import rows_layout
 
 P = 32  # keys per thread row (128 bytes)
@@ -44,7 +45,7 @@ OUT = 128  # int32 per exchanged vector: the counts at lanes 0 .. 2^bits - 2
 MAX_CLUSTER = 8  # the portable cluster size
 MAX_TILES_PER_CTA = 12  # 16 KB each in SMEM, all resident: <= 49152 keys a CTA (counts fit 16 bits)
 BITS = (1, 2, 4)
-DEFAULT_BITS = 4
+DEFAULT_BITS = 1  # the fastest of 1, 2, 4 on the H200 (BENCHMARKS.md)
 CLUSTER_AXIS, ROW_AXIS = "cl", "row"
 _SIGN = -(1 << 31)
 
@@ -78,27 +79,17 @@ def max_ctas(interpret: bool) -> int | None:
     return 1 if interpret and jax.__version_info__ < (0, 11) else None
 
 
-def to_kernel_rows(x, c: int, t: int):
-    """f32 [R, N] -> int32 bits [R * C * T * 128, P], padded with -1 (the lowest key)."""
-    r, n = x.shape
-    b = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    if c * t * TILE != n:
-        b = jnp.pad(b, ((0, 0), (0, c * t * TILE - n)), constant_values=-1)
-    return b.reshape(r * c * t * 128, P)
-
-
 def _exchange_sum(xbuf, vec, slot: int, c: int, layout):
     """The cluster-wide sum of ``vec`` [OUT] (one element a thread), compiled path: each thread stores its
     element into this CTA's ``xbuf[slot]``, the cluster synchronises (``barrier.cluster`` arrive with
     release, wait with acquire, by every thread), and each thread adds the same element of the C CTAs'
     buffers through distributed shared memory (``mapa`` + ``ld.shared::cluster``). Inline PTX: Mosaic GPU
     lowers no vector or scalar access to a peer's SMEM in jax 0.11."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, gpu, llvm
     from jaxlib.mlir.dialects import vector as vector_d
-
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mu
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), layout),
                        return_type=plgpu.ShapeDtypeStruct((OUT,), jnp.int32, layout=layout))
@@ -122,18 +113,6 @@ def _exchange_sum(xbuf, vec, slot: int, c: int, layout):
                                   _layout=arr.layout, _is_signed=True)
 
     return exchange(xbuf, vec)
-
-
-def _pack_pairs(counts):
-    """Counts (each < 2^16) two to an int32, to halve the cross-warp reductions."""
-    return [a + (counts[i + 1] << 16) if i + 1 < len(counts) else a for i, a in enumerate(counts) if i % 2 == 0]
-
-
-def _unpack_pairs(words, n: int):
-    out = []
-    for w in words:
-        out += [w & 0xFFFF, lax.shift_right_logical(w, 16)]
-    return out[:n]
 
 
 @functools.partial(jax.jit, static_argnames=("c", "t", "bits", "interpret"))
@@ -160,8 +139,7 @@ def search(rows, k, *, c: int, t: int, bits: int = DEFAULT_BITS, interpret: bool
         reg = rows_layout(P)
         for i in range(t):  # the signed order key, in place
             plgpu.barrier_wait(barrier.at[i])
-            x = keys[i] if interpret else ms.load(keys.at[i], reg)
-            x = jnp.where(x < 0, x ^ 0x7FFFFFFF, x)
+            x = signed_key(keys[i] if interpret else ms.load(keys.at[i], reg))
             if interpret:
                 keys[i] = x
             else:

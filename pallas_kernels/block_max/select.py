@@ -106,15 +106,15 @@ KERNELS = (None, "passes", "cluster")
 def kth_largest(flat: Float[Array, "R N"], key: Array, k: int, kernel: str | None = None) -> Array:
     """The k-th largest order key of each row (uint32 [R]): XLA passes (``kernel=None``), one Mosaic GPU
     kernel a pass (``"passes"``, ``radix_mosaic``), or the whole search in one kernel with a cluster of CTAs a
-    row (``"cluster"``, ``radix_cluster``; rows too long for one cluster take ``"passes"``). The kernels are
-    interpreted off GPU."""
+    row (``"cluster"``, ``radix_cluster``). Rows too long for one cluster take ``"passes"``, rows too long for
+    those (past 4.2 M keys) the XLA passes. The kernels are interpreted off GPU."""
     if kernel not in KERNELS:
         raise ValueError(f"kth_largest: kernel must be one of {KERNELS}, got {kernel!r}")
     interpret = jax.default_backend() != "gpu"
     if kernel == "cluster" and radix_cluster.supports(flat.shape[-1], interpret):
         return radix_cluster.kth_largest_key(flat, k, ctas=radix_cluster.max_ctas(interpret), interpret=interpret)
-    if kernel is not None:
-        return radix_mosaic.kth_largest_key(key, k, interpret=interpret)
+    if kernel is not None and radix_mosaic.supports(flat.shape[-1]):
+        return radix_mosaic.kth_largest_key(flat, k, interpret=interpret)
     return kth_largest_key(key, k)
 
 
@@ -125,7 +125,7 @@ def select_top_blocks(bmax: Float[Array, "*B NB"], k: int, *, kernel: str | None
     lead, nb = bmax.shape[:-1], bmax.shape[-1]
     k = min(k, nb)
     flat = bmax.reshape(-1, nb)
-    if kernel == "cluster":  # the kernel reads the maxima itself; the flags below fuse the key
+    if kernel is not None:  # the kernels read the maxima themselves; the flags below fuse the key
         key = order_key(flat)
     else:
         # materialised once: fused into each pass's count, the key's computation ran in every pass (and

@@ -157,29 +157,6 @@ def test_radix_select_threshold_on_signs_zeros_and_infinities():
         assert got[: len(want)].tolist() == want and (got[len(want):] == -1).all(), (k, got, want)
 
 
-def test_radix_kernel_passes_interpreted():
-    """The Mosaic GPU passes (interpreted) find the same k-th largest key as the XLA passes: several CTAs
-    per row, several tiles per CTA, padded tails, heavy ties, a half −∞ row, k = 1, k inside and k = N."""
-    from pallas_kernels.block_max import radix_mosaic, select
-
-    rng = np.random.default_rng(20)
-    for r, n, target in ((3, 5000, 264), (1, 20000, 2)):
-        x = rng.standard_normal((r, n)).astype(np.float32)
-        x[0, rng.choice(n, n // 3, replace=False)] = 1.25  # ties straddling k = n // 4 in row 0
-        x[-1, n // 2:] = -np.inf
-        key = select.order_key(jnp.asarray(x))
-        for k in (1, n // 4, n):
-            want = np.asarray(select.kth_largest_key(key, k))
-            got = np.asarray(radix_mosaic.kth_largest_key(key, k, target_ctas=target, interpret=True))
-            np.testing.assert_array_equal(got, want, err_msg=f"{(r, n, target)} k={k}")
-    assert radix_mosaic.geometry(1, 20000, 2) == (2, 3)  # the second case runs 3 tiles a CTA
-    # the shapes timed on the H200, and the caps: <= 64 CTAs a row unless the tiles would overflow SMEM
-    assert [radix_mosaic.geometry(r, n) for r, n in ((8, 131072), (128, 16384), (32, 131072))] == [
-        (32, 1), (3, 2), (9, 4)]
-    assert radix_mosaic.geometry(1, 1 << 20) == (64, 4)
-    assert radix_mosaic.geometry(1, 1 << 24) == (342, 12)
-
-
 def _hard_rows(rng, r: int, n: int) -> np.ndarray:
     """Rows with ties straddling k = n // 4 (row 0), a −∞ half (last row), ±0 and ±∞ values."""
     x = rng.standard_normal((r, n)).astype(np.float32)
@@ -187,6 +164,30 @@ def _hard_rows(rng, r: int, n: int) -> np.ndarray:
     x[-1, n // 2:] = -np.inf
     x[r // 2, :4] = [0.0, -0.0, np.inf, -np.inf]
     return x
+
+
+def test_radix_kernel_passes_interpreted():
+    """The Mosaic GPU passes (interpreted) find the same k-th largest key as the XLA passes: several CTAs
+    per row, several tiles per CTA, padded tails, heavy ties, ±0 and ±∞, a half −∞ row, k = 1, k inside
+    and k = N."""
+    from pallas_kernels.block_max import radix_mosaic, select
+
+    rng = np.random.default_rng(20)
+    for r, n, target in ((3, 5000, 264), (1, 20000, 2)):
+        x = _hard_rows(rng, r, n)
+        key = select.order_key(jnp.asarray(x))
+        for k in (1, n // 4, n):
+            want = np.asarray(select.kth_largest_key(key, k))
+            got = np.asarray(radix_mosaic.kth_largest_key(jnp.asarray(x), k, target_ctas=target, interpret=True))
+            np.testing.assert_array_equal(got, want, err_msg=f"{(r, n, target)} k={k}")
+    assert radix_mosaic.geometry(1, 20000, 2) == (2, 3)  # the second case runs 3 tiles a CTA
+    # the shapes timed on the H200, and the caps: <= 64 CTAs a row unless the tiles would overflow SMEM
+    assert [radix_mosaic.geometry(r, n) for r, n in ((8, 131072), (128, 16384), (32, 131072))] == [
+        (32, 1), (3, 2), (9, 4)]
+    assert radix_mosaic.geometry(1, 1 << 20) == (64, 4)
+    assert radix_mosaic.geometry(1, 1 << 22) == (128, 8) and radix_mosaic.geometry(1, (1 << 22) + 1) is None
+    with pytest.raises(ValueError, match="exceed 128 CTAs"):
+        radix_mosaic.kth_largest_key(jnp.zeros((1, (1 << 22) + 1)), 5)
 
 
 def test_radix_cluster_search_interpreted():
@@ -233,8 +234,8 @@ def test_radix_kernel_lowers_to_mosaic_gpu():
     from pallas_kernels.block_max import radix_mosaic
 
     fn = functools.partial(radix_mosaic.kth_largest_key, k=2048)
-    key = jax.ShapeDtypeStruct((8, 131072), jnp.uint32)
-    text = jax.jit(fn).trace(key).lower(lowering_platforms=("cuda",)).as_text()
+    x = jax.ShapeDtypeStruct((8, 131072), jnp.float32)
+    text = jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 8  # one kernel a pass
 
 
@@ -256,7 +257,7 @@ def test_radix_kernel_on_device():
         bmax[-1, t // 3:] = -np.inf
         bmax = jnp.asarray(bmax)
         want = np.asarray(_select(bmax, k, "top_k"))
-        for sel in ("radix_kernel", "radix_passes"):
+        for sel in ("radix_kernel", "radix_cluster"):
             np.testing.assert_array_equal(np.asarray(_select(bmax, k, sel)), want, err_msg=f"{(b, t, k, sel)}")
 
 

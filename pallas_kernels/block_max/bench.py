@@ -76,8 +76,7 @@ if jax.default_backend() == "gpu":  # interpreted elsewhere: minutes at these sh
     for _b in radix_cluster.BITS:
         SELECT_ONLY[f"search_cluster_{_b}bit"] = functools.partial(
             lambda m, b: radix_cluster.kth_largest_key(m.reshape(-1, m.shape[-1]), TOPK, bits=b), b=_b)
-    SELECT_ONLY["search_passes"] = lambda m: radix_mosaic.kth_largest_key(
-        select.order_key(m.reshape(-1, m.shape[-1])), TOPK)
+    SELECT_ONLY["search_passes"] = lambda m: radix_mosaic.kth_largest_key(m.reshape(-1, m.shape[-1]), TOPK)
     SELECT_ONLY["search_xla"] = lambda m: select.kth_largest_key(select.order_key(m.reshape(-1, m.shape[-1])), TOPK)
 
 

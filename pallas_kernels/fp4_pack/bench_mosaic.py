@@ -21,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_stream as ms
 from pallas_kernels.bench_variants import header, measure, parse_variant
-from pallas_kernels.fp4_pack import gpu, layout, mosaic, reference
+from pallas_kernels.fp4_pack import direct, gpu, layout, mosaic, reference
 from pallas_kernels.fp4_pack.bench import OPS_PER_ELEMENT, SHAPES
 
 DEFAULT_VARIANTS = [  # against the default (16 KB tiles, 2 stages, 3 CTAs/SM, 256-group passes, no auto barriers)
@@ -87,6 +87,7 @@ def main() -> None:
     p.add_argument("--shapes", default="", help="comma-separated indices into bench.SHAPES (default: all)")
     p.add_argument("--skip-triton", action="store_true")
     p.add_argument("--stream-copy", action="append", help="time stream_copy with these kwargs (bf16 only)")
+    p.add_argument("--direct", action="append", help="time direct.pack with these kwargs (e.g. groups_per_cta=512)")
     args = p.parse_args()
     variants = args.variant or DEFAULT_VARIANTS
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
@@ -106,6 +107,9 @@ def main() -> None:
                     nbytes=2 * x.size * x.dtype.itemsize, variant=spec)
         for spec in variants:
             run("mosaic", functools.partial(mosaic.pack, fmt=fmt, **parse_variant(spec)), want=want,
+                variant=spec or "default")
+        for spec in args.direct or []:
+            run("direct", functools.partial(direct.pack, fmt=fmt, **parse_variant(spec)), want=want,
                 variant=spec or "default")
 
 

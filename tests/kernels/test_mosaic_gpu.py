@@ -25,6 +25,7 @@ from jax import lax
 from dsv41_jax import quant
 from pallas_kernels.block_max import mosaic as bm_mosaic
 from pallas_kernels.block_max import reference as bm_reference
+from pallas_kernels.fp4_pack import direct as fp4_direct
 from pallas_kernels.fp4_pack import mosaic as fp4_mosaic
 from pallas_kernels.fp4_pack import thresholds as th
 
@@ -242,6 +243,19 @@ def test_fp4_interpreted(fmt, n, rows_per_step, dtype):
     _fp4_check(impl, x, fmt, f"interpret {fmt} N={n} {jnp.dtype(dtype).name}", dtype)
 
 
+@pytest.mark.parametrize("fmt,n,groups_per_cta", [("nvfp4", 512, 256), ("mxfp4", 128, 128), ("nvfp4", 96, 128)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp4_direct_interpreted(fmt, n, groups_per_cta, dtype):
+    """The SMEM-less pack (``direct``) on every case, with a tail of groups past its last CTA (N = 96: 6
+    groups a row) that the reference fills in."""
+    x = np.asarray(jnp.asarray(all_fp4_cases(fmt, n), dtype).astype(jnp.float32))
+    impl = functools.partial(fp4_direct.pack, groups_per_cta=groups_per_cta, interpret=True)
+    _fp4_check(impl, x, fmt, f"direct {fmt} N={n} {jnp.dtype(dtype).name}", dtype)
+    _fp4_check(impl, x[:3], fmt, f"direct {fmt} N={n}, 3 rows (all tail)", dtype)
+    with pytest.raises(ValueError, match="groups_per_cta"):
+        fp4_direct.pack(jnp.zeros((8, n)), fmt, groups_per_cta=100)
+
+
 @pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 96)])
 def test_fp4_interpreted_swar_encode(fmt, n):
     """The two-lanes-per-word encode on every case (rounding ties, saturation, zero groups, subnormals) in bf16,
@@ -405,6 +419,20 @@ def test_fp4_on_device(variant, fmt, n):
                 print("MISMATCH", msg, flush=True)  # shown at once with pytest -s, even if the run is cut short
                 errors.append(msg)
     assert not errors, "\n".join(errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 96)])
+def test_fp4_direct_on_device(fmt, n):
+    """The SMEM-less pack on the GPU: every case, 4099 rows (a tail past the last CTA) and 3, both dtypes."""
+    x_all, _ = _named_rows(fmt, n)
+    big = np.random.default_rng(3).standard_normal((4099, n)).astype(np.float32)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for x, label in ((x_all, "cases"), (big, "4099 rows"), (big[:3], "3 rows")):
+            x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+            for gpc in (128, 512):
+                impl = functools.partial(fp4_direct.pack, groups_per_cta=gpc)
+                _fp4_check(impl, x, fmt, f"direct {gpc} {fmt} N={n} {jnp.dtype(dtype).name} {label}", dtype)
 
 
 @pytest.mark.gpu

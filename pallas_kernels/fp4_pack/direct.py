@@ -1,0 +1,98 @@
+"""fp4_pack on GPU without SMEM: Mosaic GPU loads each group straight from HBM into registers and stores
+its packed bytes straight back, as an XLA elementwise fusion does.
+
+``mosaic.pack`` moves a tile TMA -> SMEM -> registers -> SMEM -> TMA in a persistent loop of a few CTAs per
+SM; on the H200 that loop bounds it at ~half the copy rate (BENCHMARKS.md). Here there is no loop and no
+barrier: a grid of small CTAs (one warpgroup each, ``groups_per_cta`` groups, one group a thread per
+128-group chunk) issues all its loads at once, encodes (``mosaic._encode``: the same per-group scale and
+threshold compares, bit-identical to ``quant``), and writes its codes (block / 2 bytes a group, contiguous
+per thread) and scale bytes with plain vector stores. Latency is hidden by the many resident CTAs, not by
+a software pipeline.
+
+Views: input [M, P] int32 words (bf16 pairs; M = rows x groups, P = block / 2) or, for other input dtypes,
+[M, 2, P] fp32 [evens | odds] (``mosaic._to_kernel_input``'s transpose); codes [M, P] bytes, scales [M]
+bytes. GMEM accesses carry no bounds checks, so the kernel covers the whole ``groups_per_cta`` tiles and
+the few groups past the last one (fewer than ``groups_per_cta``) go through the XLA reference, written into
+the kernel's outputs in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import mosaic_stream as ms
+from pallas_kernels.fp4_pack import layout, reference
+from pallas_kernels.fp4_pack.mosaic import _encode, _lanes, _to_kernel_input, rows_layout
+
+CHUNK = 128  # groups a register pass: one a thread
+_REFERENCE = {"nvfp4": reference.pack_nvfp4, "mxfp4": reference.pack_mxfp4}
+
+
+def _body(fmt: str, p: int, split: bool, tg: int, interpret: bool):
+    def body(x_gmem, codes_gmem, scales_gmem):
+        base = lax.axis_index(ms.CTA_AXIS) * tg
+        chunks = [pl.ds(base + i * CHUNK, CHUNK) for i in range(tg // CHUNK)]
+        if interpret:
+            for sl in chunks:
+                x = x_gmem[sl]
+                w = (x[:, 0], x[:, 1]) if split else x
+                packed, byte = _encode(fmt, *_lanes(w, split), lambda v: lax.broadcast_in_dim(v, (CHUNK, p), (0,)))
+                codes_gmem[sl] = packed
+                scales_gmem[sl] = byte
+            return
+        reg = rows_layout(p)
+
+        def bcast(v):
+            return plgpu.layout_cast(lax.broadcast_in_dim(v, (CHUNK, p), (0,)), reg)
+
+        def load(ref):
+            return plgpu.load(ref, (), layout=reg, optimized=False)
+
+        words = [(load(x_gmem.at[sl, 0]), load(x_gmem.at[sl, 1])) if split else load(x_gmem.at[sl])
+                 for sl in chunks]  # every load of the CTA in flight before the first encode
+        for sl, w in zip(chunks, words, strict=True):
+            packed, byte = _encode(fmt, *_lanes(w, split), bcast)
+            codes_gmem.at[sl][...] = packed
+            scales_gmem.at[sl][...] = byte
+
+    return body
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "groups_per_cta", "interpret"))
+def pack(x, fmt: str, *, groups_per_cta: int = 512, interpret: bool = False):
+    """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit. ``groups_per_cta`` (a multiple
+    of 128) sets the CTA's share: its loads are all in flight together."""
+    block, lead, n = layout.FORMATS[fmt], x.shape[:-1], x.shape[-1]
+    if n % block:
+        raise ValueError(f"fp4_pack: the last axis ({n}) must be a multiple of the group size ({block})")
+    if groups_per_cta % CHUNK or groups_per_cta <= 0:
+        raise ValueError(f"fp4_pack direct: groups_per_cta ({groups_per_cta}) must be a positive multiple of {CHUNK}")
+    r, p = math.prod(lead), block // 2
+    if r == 0:
+        return layout.empty(lead, n, block, fmt)
+    m = r * (n // block)
+    xin, split = _to_kernel_input(x, block)
+    xin = xin.reshape(m, 2, p) if split else xin.reshape(m, p)
+    full = m // groups_per_cta
+    codes = jnp.zeros((m, p), jnp.uint8)
+    scales = jnp.zeros((m,), jnp.uint8)
+    if full:
+        kw = {"interpret": ms.interpret_params()} if interpret else {
+            "compiler_params": plgpu.CompilerParams(unsafe_no_auto_barriers=True)}
+        codes, scales = plgpu.kernel(
+            _body(fmt, p, split, groups_per_cta, interpret),
+            out_type=(jax.ShapeDtypeStruct((m, p), jnp.uint8), jax.ShapeDtypeStruct((m,), jnp.uint8)),
+            grid=(full,), grid_names=(ms.CTA_AXIS,), **kw)(xin)
+    done = full * groups_per_cta
+    if done < m:  # the last groups_per_cta - 1 groups at most: the reference, group by group
+        tail_codes, tail_scales = _REFERENCE[fmt](x.reshape(m, block)[done:])
+        codes = lax.dynamic_update_slice(codes, tail_codes, (done, 0))
+        scales = lax.dynamic_update_slice(scales, layout.as_bytes(tail_scales).reshape(-1), (done,))
+    return layout.join(lead, codes.reshape(r, n // block, p), scales.reshape(r, n // block), fmt)

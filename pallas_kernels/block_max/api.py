@@ -32,7 +32,7 @@ def block_max(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block
     return tpu.block_max(scores, n_visible, block_size, interpret=platform != "tpu")
 
 
-SELECTIONS = ("auto", "top_k", "radix", "radix_kernel", "radix_cluster")
+SELECTIONS = ("auto", "top_k", "radix", "radix_kernel", "radix_passes", "radix_cluster")
 # "auto" takes the radix select from this many blocks per row: on the H200 it was 2.8x faster than top_k at
 # 131072 blocks x 8 rows, 5.6x at x 32 rows and 1.5x at 16384 blocks x 128 rows (BENCHMARKS.md); below
 # 16384 blocks a row, top_k's sort fits one kernel and was not measured against it
@@ -54,13 +54,17 @@ def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B 
     return select_blocks(bmax, n_blocks, selection=selection, backend=backend)
 
 
+# selection -> select.select_top_blocks's kernel
+_RADIX_KERNEL = {"radix": None, "radix_kernel": "auto", "radix_passes": "passes", "radix_cluster": "cluster"}
+
+
 def select_blocks(bmax: Float[Array, "*B NB"], n_blocks: int, *, selection: str = "auto",
                   backend: str = "xla") -> Int[Array, "*B K"]:
     """The candidate ids from block maxima: the top ``n_blocks`` (lower index first on ties) with a maximum
-    above −∞, ascending, −1 padded. ``selection="radix_kernel"`` is the radix select with its passes in
-    Mosaic GPU kernels (interpreted off GPU); ``backend="pallas"`` takes it for ``"radix"`` on GPU.
-    ``"radix_cluster"`` runs the whole threshold search in one kernel (``radix_cluster``; slower on the
-    H200 so far, BENCHMARKS.md)."""
+    above −∞, ascending, −1 padded. ``selection="radix_kernel"`` is the radix select with its threshold
+    search in Mosaic GPU kernels (interpreted off GPU), ``backend="pallas"`` takes it for ``"radix"`` on
+    GPU: a kernel a pass (``"radix_passes"``) or the whole search in one kernel with a cluster of CTAs a row
+    (``"radix_cluster"``), whichever was faster on the H200 for the shape (``select.pick_kernel``)."""
     if selection not in SELECTIONS:
         raise ValueError(f"select_blocks: selection must be one of {SELECTIONS}, got {selection!r}")
     if backend not in BACKENDS:
@@ -69,9 +73,8 @@ def select_blocks(bmax: Float[Array, "*B NB"], n_blocks: int, *, selection: str 
         selection = "radix" if bmax.shape[-1] >= RADIX_MIN_BLOCKS else "top_k"
     if selection == "radix" and backend == "pallas" and jax.default_backend() == "gpu":
         selection = "radix_kernel"
-    if selection in ("radix", "radix_kernel", "radix_cluster"):
-        kernel = {"radix": None, "radix_kernel": "passes", "radix_cluster": "cluster"}[selection]
-        return select.select_top_blocks(bmax, n_blocks, kernel=kernel)
+    if selection in _RADIX_KERNEL:
+        return select.select_top_blocks(bmax, n_blocks, kernel=_RADIX_KERNEL[selection])
     nb = bmax.shape[-1]
     vals, idx = jax.lax.top_k(bmax, min(n_blocks, nb))  # ties: lower block index, as the reference
     ids = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)  # dropped blocks sort last

@@ -60,24 +60,21 @@ def main() -> None:
             want.setdefault(kind, got)
 
 
-# radix: the XLA passes; radix_kernel: a Mosaic GPU kernel a pass (what backend="pallas" takes on GPU);
-# radix_cluster: the whole search in one Mosaic GPU kernel, a cluster of CTAs a row
+# radix: the XLA passes; radix_kernel: the threshold search in Mosaic GPU kernels (what backend="pallas" takes
+# on GPU), the faster for the shape of radix_passes (a kernel a pass) and radix_cluster (one kernel)
 SELECTIONS = {"top_k": dict(selection="top_k"), "radix": dict(selection="radix")}
 if jax.default_backend() == "gpu":
-    SELECTIONS["radix_kernel"] = dict(selection="radix_kernel")
-    SELECTIONS["radix_cluster"] = dict(selection="radix_cluster")
+    SELECTIONS.update({s: dict(selection=s) for s in ("radix_kernel", "radix_passes", "radix_cluster")})
 # the selection alone
 SELECT_ONLY = {"top_k": lambda m: api.select_blocks(m, TOPK, selection="top_k"),
                "radix": lambda m: api.select_blocks(m, TOPK, selection="radix")}
 if jax.default_backend() == "gpu":  # interpreted elsewhere: minutes at these shapes
-    SELECT_ONLY["radix_kernel"] = lambda m: api.select_blocks(m, TOPK, selection="radix_kernel")
-    SELECT_ONLY["radix_cluster"] = lambda m: api.select_blocks(m, TOPK, selection="radix_cluster")
-    # the threshold search alone, by digit width (the one-kernel search) and a kernel a pass
-    for _b in radix_cluster.BITS:
-        SELECT_ONLY[f"search_cluster_{_b}bit"] = functools.partial(
-            lambda m, b: radix_cluster.kth_largest_key(m.reshape(-1, m.shape[-1]), TOPK, bits=b), b=_b)
-    SELECT_ONLY["search_passes"] = lambda m: radix_mosaic.kth_largest_key(m.reshape(-1, m.shape[-1]), TOPK)
+    for _s in ("radix_kernel", "radix_passes", "radix_cluster"):
+        SELECT_ONLY[_s] = functools.partial(lambda m, s: api.select_blocks(m, TOPK, selection=s), s=_s)
+    # the threshold search alone: XLA passes, a kernel a pass, one kernel
     SELECT_ONLY["search_xla"] = lambda m: select.kth_largest_key(select.order_key(m.reshape(-1, m.shape[-1])), TOPK)
+    SELECT_ONLY["search_passes"] = lambda m: radix_mosaic.kth_largest_key(m.reshape(-1, m.shape[-1]), TOPK)
+    SELECT_ONLY["search_cluster"] = lambda m: radix_cluster.kth_largest_key(m.reshape(-1, m.shape[-1]), TOPK)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,23 @@
 """The radix select's whole threshold search (``select.kth_largest_key``) in one Mosaic GPU kernel: a
 cluster of CTAs per row, its keys read from HBM once and kept in SMEM for every pass.
 
-``radix_mosaic`` launches a kernel a pass; at 8 rows of 131072 blocks each pass costs ~6 µs on the H200, of
-which launch, ramp and the re-read of the previous pass's partials are most (BENCHMARKS.md). Here the row's
-C CTAs form a thread-block cluster (C <= 8, the portable size), so the passes can synchronise inside the
-kernel: each CTA counts its keys against the pass's thresholds, pushes its counts into every peer's SMEM
-(distributed shared memory), and after one cluster barrier every CTA sums the C partials from its own SMEM
-and takes the digit. Nothing goes back to HBM until the threshold.
+``radix_mosaic`` launches a kernel a pass, and each CTA there counts its keys against 15 thresholds; when a
+CTA holds several tiles (many rows, or long ones) that count is slow on the H200 (~33 µs a pass at 32 x
+131072 keys, BENCHMARKS.md). Here the row's C CTAs form a thread-block cluster (C <= 8, the portable size),
+so the passes synchronise inside the kernel: each CTA counts its keys against the pass's threshold, stores
+its count in its own SMEM, the cluster synchronises, and every thread adds the C counts through distributed
+shared memory. Nothing goes back to HBM until the threshold, and a pass is one compare per key: 32 passes
+of one bit (2- and 4-bit digits, 16 and 8 passes of 3 and 15 compares, were slower on the H200;
+BENCHMARKS.md). ``select`` takes this kernel where the per-pass kernels would give a CTA several tiles.
 
 Layout: the block maxima [R, N] (f32) are read as int32 bits, [R * C * T * 128, P] rows of P = 32 (CTA
 (r, c) owns T tiles of 128 rows, one row a thread in registers, ``fp4_pack.mosaic.rows_layout``); padding is
--1, i.e. the bits of a NaN that maps to the lowest key. After the load each CTA rewrites its tiles in SMEM as
-the signed order key (``b`` if b >= 0 else ``b ^ 0x7FFFFFFF``, the int32 view of ``select.order_key`` with
-the sign bit flipped), so a pass is ``2^bits - 1`` compares per key.
-
-``bits`` is the digit width: 32 / bits passes of 2^bits - 1 counts. Fewer, wider digits cost compares; more,
-narrower ones cost cluster barriers (BENCHMARKS.md has the three timed). The per-CTA counts cross the
-warpgroup two to a word (each is at most the CTA's 49152 keys, below 2^16).
+-1, the bits of a NaN that maps to the lowest key. After the load each CTA rewrites its tiles in SMEM as the
+signed order key (``radix_mosaic.signed_key``).
 
 Interpreted (CPU), the exchange goes through a GMEM buffer and a ``plgpu.ClusterBarrier``: the GPU
-interpreter has neither distributed shared memory nor inline PTX. The compiled kernel synchronises with
-``barrier.cluster.arrive.release`` / ``wait.acquire`` (every thread of the cluster, cluster-scope release and
-acquire, so the peers' stores into this CTA's SMEM are visible after the wait).
+interpreter has neither distributed shared memory nor inline PTX. Compiled, the exchange is inline PTX
+(:func:`_exchange_sum`): Mosaic GPU lowers no access to a peer's SMEM in jax 0.11.
 """
 
 from __future__ import annotations
@@ -41,11 +37,10 @@ from pallas_kernels.fp4_pack.mosaic import rows_layout
 
 P = 32  # keys per thread row (128 bytes)
 TILE = 128 * P  # keys per TMA tile
-OUT = 128  # int32 per exchanged vector: the counts at lanes 0 .. 2^bits - 2
+OUT = 128  # int32 per exchanged vector: the pass's counts at its first lanes
 MAX_CLUSTER = 8  # the portable cluster size
-MAX_TILES_PER_CTA = 12  # 16 KB each in SMEM, all resident: <= 49152 keys a CTA (counts fit 16 bits)
-BITS = (1, 2, 4)
-DEFAULT_BITS = 1  # the fastest of 1, 2, 4 on the H200 (BENCHMARKS.md)
+MAX_TILES_PER_CTA = 12  # 16 KB each in SMEM, all resident: <= 49152 keys a CTA
+DIGIT_BITS = 1  # 32 passes of one count (see the module doc)
 CLUSTER_AXIS, ROW_AXIS = "cl", "row"
 _SIGN = -(1 << 31)
 
@@ -115,13 +110,12 @@ def _exchange_sum(xbuf, vec, slot: int, c: int, layout):
     return exchange(xbuf, vec)
 
 
-@functools.partial(jax.jit, static_argnames=("c", "t", "bits", "interpret"))
-def search(rows, k, *, c: int, t: int, bits: int = DEFAULT_BITS, interpret: bool = False):
-    """``rows`` from :func:`to_kernel_rows`, ``k`` int32 [1] -> [R, OUT] int32: every lane the row's k-th
-    largest key (``select.order_key`` bits as int32)."""
-    if bits not in BITS:
-        raise ValueError(f"radix_cluster.search: bits must be one of {BITS}, got {bits}")
+@functools.partial(jax.jit, static_argnames=("c", "t", "interpret"))
+def search(rows, k, *, c: int, t: int, interpret: bool = False):
+    """``rows`` from ``radix_mosaic.to_kernel_rows``, ``k`` int32 [1] -> [R, OUT] int32: every lane the row's
+    k-th largest key (``select.order_key`` bits as int32)."""
     r = rows.shape[0] // (c * t * 128)
+    bits = DIGIT_BITS
     bins = 1 << bits
     shifts = list(range(32 - bits, -1, -bits))
 
@@ -201,7 +195,7 @@ def search(rows, k, *, c: int, t: int, bits: int = DEFAULT_BITS, interpret: bool
     return out[0]
 
 
-def kth_largest_key(x, k: int, *, bits: int = DEFAULT_BITS, ctas: int | None = None, interpret: bool = False):
+def kth_largest_key(x, k: int, *, ctas: int | None = None, interpret: bool = False):
     """``select.kth_largest_key(select.order_key(x), k)`` for f32 rows ``x`` [R, N] (uint32 [R]) in one
     kernel. ``ctas`` overrides the CTAs a row (the cluster size). Raises if a row is too long for one
     cluster (:func:`supports`)."""
@@ -212,5 +206,5 @@ def kth_largest_key(x, k: int, *, bits: int = DEFAULT_BITS, ctas: int | None = N
                          f"{ctas or MAX_CLUSTER} CTAs ({(ctas or MAX_CLUSTER) * MAX_TILES_PER_CTA * TILE} keys)")
     c, t = geo
     k_arr = jnp.full((1,), k, jnp.int32)  # traced: one compile for every k
-    out = search(to_kernel_rows(x, c, t), k_arr, c=c, t=t, bits=bits, interpret=interpret)
+    out = search(to_kernel_rows(x, c, t), k_arr, c=c, t=t, interpret=interpret)
     return lax.bitcast_convert_type(out[:, 0], jnp.uint32)

@@ -9,12 +9,13 @@ formats (spec attention §7.2-7.4), bit-identical to ``dsv41_jax.quant``.
   per closed entry): the reference leaves the winner of a duplicate unspecified.
 
 ``backend="xla"`` is the reference (always available); ``backend="pallas"`` picks the kernel for the
-default platform: Mosaic GPU on GPU (``mosaic.py``), Mosaic TPU on TPU, and the TPU kernel in interpret mode
-on CPU (slow; for tests). The switch is an argument, not config state: callers pass their own
-``kernel_backend``.
+default platform: Mosaic GPU on GPU (``direct.py`` for pack and write, ``mosaic.py`` for unpack), Mosaic
+TPU on TPU, and the TPU kernel in interpret mode on CPU (slow; for tests). The switch is an argument, not
+config state: callers pass their own ``kernel_backend``.
 
-On GPU the cache write is Mosaic GPU's pack followed by XLA's scatter of the packed rows, not a fused
-kernel: a Mosaic GPU kernel writes GMEM through TMA boxes of at least 16 bytes, and an MXFP4 scale row is 4.
+On GPU the cache write is the pack followed by XLA's scatter of the packed rows (a quarter of a bf16
+input's bytes), not one kernel. ``mosaic.py``'s TMA stores could not place 4-byte MXFP4 scale rows one by
+one; ``direct.py`` stores with plain vector stores and could write the slots itself, which is not built.
 The Triton kernels (``gpu.py``, a deprecated lowering) stay for comparison in ``bench.py``: the fused
 Triton write is the only one that scatters from inside the kernel.
 """
@@ -25,15 +26,19 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Shaped, UInt8
 
-from pallas_kernels.fp4_pack import mosaic, reference, tpu
+from pallas_kernels.fp4_pack import direct, mosaic, reference, tpu
 
 BACKENDS = ("xla", "pallas")
 
 
-def _kernels():
-    """The platform's kernel module and whether it must be interpreted (CPU)."""
+def _kernels(op: str = "pack"):
+    """The platform's kernel module for ``op`` and whether it must be interpreted (CPU). On GPU the pack
+    and the cache write take the SMEM-less kernel (``direct``, faster on the H200: BENCHMARKS.md), the
+    unpack ``mosaic``'s streaming loop."""
     platform = jax.default_backend()
-    return (mosaic, False) if platform == "gpu" else (tpu, platform != "tpu")
+    if platform == "gpu":
+        return (mosaic if op == "unpack" else direct), False
+    return tpu, platform != "tpu"
 
 
 def _check(backend: str) -> None:
@@ -69,7 +74,7 @@ def unpack_nvfp4(codes: UInt8[Array, "*B N//2"], scales: Shaped[Array, "*B G"], 
     _check(backend)
     if backend == "xla":
         return reference.unpack_nvfp4(codes, scales, dtype)
-    mod, interpret = _kernels()
+    mod, interpret = _kernels("unpack")
     return mod.unpack(codes, scales, "nvfp4", dtype, interpret=interpret)
 
 
@@ -79,7 +84,7 @@ def unpack_mxfp4(codes: UInt8[Array, "*B N//2"], exps: UInt8[Array, "*B G"], dty
     _check(backend)
     if backend == "xla":
         return reference.unpack_mxfp4(codes, exps, dtype)
-    mod, interpret = _kernels()
+    mod, interpret = _kernels("unpack")
     return mod.unpack(codes, exps, "mxfp4", dtype, interpret=interpret)
 
 

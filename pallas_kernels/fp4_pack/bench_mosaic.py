@@ -79,6 +79,30 @@ def stream_copy(x, fmt: str, *, rows_per_step: int = 16, stages: int = 2, ctas_p
                      n_ctas=n_ctas, interpret=False, no_auto_barriers=True)(xin)
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "groups_per_cta"))
+def direct_probe(x, fmt: str, *, groups_per_cta: int = 256):
+    """``direct.pack``'s loads and stores with the encode taken out (each group's low word bytes and a zero
+    scale are stored): the ceiling of the SMEM-less structure."""
+    block = layout.FORMATS[fmt]
+    xin, _ = mosaic._to_kernel_input(x, block)
+    r, g, p = xin.shape
+    m = r * g
+    xin = xin.reshape(m, p)
+    reg = mosaic.rows_layout(p)
+
+    def body(x_gmem, codes_gmem, scales_gmem):
+        base = jax.lax.axis_index(ms.CTA_AXIS) * groups_per_cta
+        chunks = [pl.ds(base + i * 128, 128) for i in range(groups_per_cta // 128)]
+        words = [plgpu.load(x_gmem.at[sl], (), layout=reg, optimized=False) for sl in chunks]
+        for sl, w in zip(chunks, words, strict=True):
+            codes_gmem.at[sl][...] = w.astype(jnp.uint8)
+            scales_gmem.at[sl][...] = jnp.max(w, axis=1).astype(jnp.uint8)
+
+    return plgpu.kernel(body, out_type=(jax.ShapeDtypeStruct((m, p), jnp.uint8), jax.ShapeDtypeStruct((m,), jnp.uint8)),
+                        grid=(m // groups_per_cta,), grid_names=(ms.CTA_AXIS,),
+                        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))(xin)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", default="bfloat16")
@@ -88,6 +112,7 @@ def main() -> None:
     p.add_argument("--skip-triton", action="store_true")
     p.add_argument("--stream-copy", action="append", help="time stream_copy with these kwargs (bf16 only)")
     p.add_argument("--direct", action="append", help="time direct.pack with these kwargs (e.g. groups_per_cta=512)")
+    p.add_argument("--direct-probe", action="append", help="time direct_probe with these kwargs (bf16 only)")
     args = p.parse_args()
     variants = args.variant or DEFAULT_VARIANTS
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
@@ -108,6 +133,8 @@ def main() -> None:
         for spec in variants:
             run("mosaic", functools.partial(mosaic.pack, fmt=fmt, **parse_variant(spec)), want=want,
                 variant=spec or "default")
+        for spec in args.direct_probe or [] if x.dtype == jnp.bfloat16 else []:
+            run("direct_probe", functools.partial(direct_probe, fmt=fmt, **parse_variant(spec)), variant=spec)
         for spec in args.direct or []:
             run("direct", functools.partial(direct.pack, fmt=fmt, **parse_variant(spec)), want=want,
                 variant=spec or "default")

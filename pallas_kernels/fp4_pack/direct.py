@@ -29,13 +29,18 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_stream as ms
 from pallas_kernels.fp4_pack import layout, reference
-from pallas_kernels.fp4_pack.mosaic import _encode, _lanes, _to_kernel_input, rows_layout
+from pallas_kernels.fp4_pack.mosaic import ENCODES, _encode, _encode_words, _lanes, _to_kernel_input, rows_layout
 
 CHUNK = 128  # groups a register pass: one a thread
 _REFERENCE = {"nvfp4": reference.pack_nvfp4, "mxfp4": reference.pack_mxfp4}
 
 
-def _body(fmt: str, p: int, split: bool, tg: int, interpret: bool):
+def _body(fmt: str, p: int, split: bool, tg: int, encode: str, interpret: bool):
+    def enc(w, bcast):
+        if encode == "swar":
+            return _encode_words(fmt, w, bcast)
+        return _encode(fmt, *_lanes(w, split), bcast, bsearch=encode == "bsearch")
+
     def body(x_gmem, codes_gmem, scales_gmem):
         base = lax.axis_index(ms.CTA_AXIS) * tg
         chunks = [pl.ds(base + i * CHUNK, CHUNK) for i in range(tg // CHUNK)]
@@ -43,7 +48,7 @@ def _body(fmt: str, p: int, split: bool, tg: int, interpret: bool):
             for sl in chunks:
                 x = x_gmem[sl]
                 w = (x[:, 0], x[:, 1]) if split else x
-                packed, byte = _encode(fmt, *_lanes(w, split), lambda v: lax.broadcast_in_dim(v, (CHUNK, p), (0,)))
+                packed, byte = enc(w, lambda v: lax.broadcast_in_dim(v, (CHUNK, p), (0,)))
                 codes_gmem[sl] = packed
                 scales_gmem[sl] = byte
             return
@@ -58,27 +63,31 @@ def _body(fmt: str, p: int, split: bool, tg: int, interpret: bool):
         words = [(load(x_gmem.at[sl, 0]), load(x_gmem.at[sl, 1])) if split else load(x_gmem.at[sl])
                  for sl in chunks]  # every load of the CTA in flight before the first encode
         for sl, w in zip(chunks, words, strict=True):
-            packed, byte = _encode(fmt, *_lanes(w, split), bcast)
+            packed, byte = enc(w, bcast)
             codes_gmem.at[sl][...] = packed
             scales_gmem.at[sl][...] = byte
 
     return body
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "groups_per_cta", "interpret"))
-def pack(x, fmt: str, *, groups_per_cta: int = 512, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("fmt", "groups_per_cta", "encode", "interpret"))
+def pack(x, fmt: str, *, groups_per_cta: int = 256, encode: str = "compare", interpret: bool = False):
     """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit. ``groups_per_cta`` (a multiple
-    of 128) sets the CTA's share: its loads are all in flight together."""
+    of 128) sets the CTA's share: its loads are all in flight together. ``encode`` as ``mosaic.pack``."""
     block, lead, n = layout.FORMATS[fmt], x.shape[:-1], x.shape[-1]
     if n % block:
         raise ValueError(f"fp4_pack: the last axis ({n}) must be a multiple of the group size ({block})")
     if groups_per_cta % CHUNK or groups_per_cta <= 0:
         raise ValueError(f"fp4_pack direct: groups_per_cta ({groups_per_cta}) must be a positive multiple of {CHUNK}")
+    if encode not in ENCODES:
+        raise ValueError(f"fp4_pack direct: encode must be one of {ENCODES}, got {encode!r}")
     r, p = math.prod(lead), block // 2
     if r == 0:
         return layout.empty(lead, n, block, fmt)
     m = r * (n // block)
     xin, split = _to_kernel_input(x, block)
+    if encode == "swar" and split:
+        raise ValueError("fp4_pack direct: encode='swar' needs bf16 input (two lanes per 32-bit word)")
     xin = xin.reshape(m, 2, p) if split else xin.reshape(m, p)
     full = m // groups_per_cta
     codes = jnp.zeros((m, p), jnp.uint8)
@@ -87,7 +96,7 @@ def pack(x, fmt: str, *, groups_per_cta: int = 512, interpret: bool = False):
         kw = {"interpret": ms.interpret_params()} if interpret else {
             "compiler_params": plgpu.CompilerParams(unsafe_no_auto_barriers=True)}
         codes, scales = plgpu.kernel(
-            _body(fmt, p, split, groups_per_cta, interpret),
+            _body(fmt, p, split, groups_per_cta, encode, interpret),
             out_type=(jax.ShapeDtypeStruct((m, p), jnp.uint8), jax.ShapeDtypeStruct((m,), jnp.uint8)),
             grid=(full,), grid_names=(ms.CTA_AXIS,), **kw)(xin)
     done = full * groups_per_cta
@@ -96,3 +105,10 @@ def pack(x, fmt: str, *, groups_per_cta: int = 512, interpret: bool = False):
         codes = lax.dynamic_update_slice(codes, tail_codes, (done, 0))
         scales = lax.dynamic_update_slice(scales, layout.as_bytes(tail_scales).reshape(-1), (done,))
     return layout.join(lead, codes.reshape(r, n // block, p), scales.reshape(r, n // block), fmt)
+
+
+def write(codes_cache, scales_cache, x, index, fmt: str, *, interpret: bool = False, **tuning):
+    """``fp4_pack.api.write_*`` on GPU: the new rows packed by :func:`pack`, then scattered to their slots by
+    XLA (``mosaic.write`` says why the scatter is not in the kernel)."""
+    codes, scales = pack(x, fmt, interpret=interpret, **tuning)
+    return reference.write_rows(codes_cache, codes, index), reference.write_rows(scales_cache, scales, index)

@@ -191,9 +191,9 @@ def test_radix_kernel_passes_interpreted():
 
 
 def test_radix_cluster_search_interpreted():
-    """The one-kernel search (interpreted) finds the XLA search's k-th largest key at every digit width:
-    several tiles a CTA, padded tails, ties, −∞ halves, k = 1, k inside and k = N. On jax >= 0.11 the rows
-    also span clusters of several CTAs (the 0.10 GPU interpreter has no cluster barriers: one CTA there)."""
+    """The one-kernel search (interpreted) finds the XLA search's k-th largest key: several tiles a CTA,
+    padded tails, ties, ±0, ±∞, −∞ halves, k = 1, k inside and k = N. On jax >= 0.11 the rows also span
+    clusters of several CTAs (the 0.10 GPU interpreter has no cluster barriers: one CTA there)."""
     from pallas_kernels.block_max import radix_cluster, select
 
     rng = np.random.default_rng(21)
@@ -201,12 +201,10 @@ def test_radix_cluster_search_interpreted():
     for r, n in ((3, 5000), (1, 9000), (2, 30)):
         x = _hard_rows(rng, r, n)
         key = select.order_key(jnp.asarray(x))
-        for bits in radix_cluster.BITS:
-            for k in (1, n // 4, n):
-                want = np.asarray(select.kth_largest_key(key, k))
-                got = np.asarray(radix_cluster.kth_largest_key(jnp.asarray(x), k, bits=bits, ctas=ctas,
-                                                               interpret=True))
-                np.testing.assert_array_equal(got, want, err_msg=f"{(r, n)} bits={bits} k={k}")
+        for k in (1, n // 4, n):
+            want = np.asarray(select.kth_largest_key(key, k))
+            got = np.asarray(radix_cluster.kth_largest_key(jnp.asarray(x), k, ctas=ctas, interpret=True))
+            np.testing.assert_array_equal(got, want, err_msg=f"{(r, n)} k={k}")
     assert radix_cluster.geometry(5000) == (2, 1) and radix_cluster.geometry(9000, 1) == (1, 3)
     assert [radix_cluster.geometry(n) for n in (131072, 16384, 8 * 12 * 4096)] == [(8, 4), (4, 1), (8, 12)]
     assert radix_cluster.geometry(8 * 12 * 4096 + 1) is None  # too long for one cluster: the per-pass kernels
@@ -214,6 +212,18 @@ def test_radix_cluster_search_interpreted():
         radix_cluster.geometry(100, 9)
     with pytest.raises(ValueError, match="exceed the SMEM"):
         radix_cluster.kth_largest_key(jnp.zeros((1, 60000)), 5, ctas=1, interpret=True)
+
+
+def test_radix_kernel_picks_by_shape():
+    """``radix_kernel`` takes a kernel a pass where each of its CTAs counts one tile (8 x 131072: 67 against
+    115 µs on the H200), else the one-kernel search (128 x 16384: 79 against 131 µs; 32 x 131072: 181 against
+    363 µs), and the per-pass kernels for rows past one cluster."""
+    from pallas_kernels.block_max import select
+
+    assert [select.pick_kernel(r, n) for r, n in ((8, 131072), (128, 16384), (32, 131072), (1, 1 << 20))] == [
+        "passes", "cluster", "cluster", "passes"]
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        select.kth_largest(jnp.zeros((1, 8)), jnp.zeros((1, 8), jnp.uint32), 2, kernel="fast")
 
 
 def test_radix_kernel_selection_interpreted():
@@ -239,12 +249,11 @@ def test_radix_kernel_lowers_to_mosaic_gpu():
     assert text.count("mosaic_gpu") >= 8  # one kernel a pass
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4])
-def test_radix_cluster_lowers_to_mosaic_gpu(bits):
+def test_radix_cluster_lowers_to_mosaic_gpu():
     """The one-kernel search lowers for a cuda target: clusters of 8 CTAs, the inline PTX exchange."""
     from pallas_kernels.block_max import radix_cluster
 
-    fn = functools.partial(radix_cluster.kth_largest_key, k=2048, bits=bits)
+    fn = functools.partial(radix_cluster.kth_largest_key, k=2048)
     jax.jit(fn).trace(jax.ShapeDtypeStruct((8, 131072), jnp.float32)).lower(lowering_platforms=("cuda",))
 
 
@@ -257,22 +266,21 @@ def test_radix_kernel_on_device():
         bmax[-1, t // 3:] = -np.inf
         bmax = jnp.asarray(bmax)
         want = np.asarray(_select(bmax, k, "top_k"))
-        for sel in ("radix_kernel", "radix_cluster"):
+        for sel in ("radix_kernel", "radix_passes", "radix_cluster"):
             np.testing.assert_array_equal(np.asarray(_select(bmax, k, sel)), want, err_msg=f"{(b, t, k, sel)}")
 
 
 @pytest.mark.gpu
 def test_radix_cluster_on_device():
-    """The one-kernel search on the GPU == the XLA search, at every digit width and cluster size 1-8,
-    with ties, ±0, ±∞, padded tails and the longest row one cluster holds."""
+    """The one-kernel search on the GPU == the XLA search, at cluster sizes 1-8, with ties, ±0, ±∞, padded
+    tails and the longest row one cluster holds."""
     from pallas_kernels.block_max import radix_cluster, select
 
     rng = np.random.default_rng(7)
     for r, n in ((8, 1 << 17), (32, 1 << 17), (128, 1 << 14), (3, 5000), (2, 4096), (1, 8 * 12 * 4096)):
         x = _hard_rows(rng, r, n)
         key = select.order_key(jnp.asarray(x))
-        for bits in radix_cluster.BITS:
-            for k in (1, 2048, n):
-                want = np.asarray(select.kth_largest_key(key, k))
-                got = np.asarray(radix_cluster.kth_largest_key(jnp.asarray(x), k, bits=bits))
-                np.testing.assert_array_equal(got, want, err_msg=f"{(r, n)} bits={bits} k={k}")
+        for k in (1, 2048, n):
+            want = np.asarray(select.kth_largest_key(key, k))
+            got = np.asarray(radix_cluster.kth_largest_key(jnp.asarray(x), k))
+            np.testing.assert_array_equal(got, want, err_msg=f"{(r, n)} k={k}")

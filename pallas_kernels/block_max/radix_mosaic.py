@@ -1,22 +1,21 @@
 """The radix select's passes (``select.kth_largest_key``) as Mosaic GPU kernels: one kernel a pass.
 
 In XLA a pass is three kernels (the count over key chunks, the sum over chunks with the digit, the prefix
-update), because XLA materialises between reductions; at 8 rows the two small ones are a third of the
-search (BENCHMARKS.md). Here each CTA of pass p first finishes pass p - 1 for its row from that pass's
-per-CTA partial counts (C x 15 scalars, read from GMEM), so that the digit and the prefix cost no launch,
-then counts its own keys.
+update), because XLA materialises between reductions. Here each CTA of pass p first finishes pass p - 1 for
+its row: one TMA copy brings the row's C per-CTA partials (C x 128 int32) into SMEM, a vector sum over C
+gives the row's 15 counts in 15 lanes, and one cross-warp reduction the digit. Then it counts its own keys.
 
-Keys are the order-preserving uint32 keys with the sign bit flipped (int32 whose signed order is the
-keys' order), viewed as [R * C * T * 128, P] rows of P = 32 keys: CTA (r, c) owns T tiles of 128 rows.
-Padding keys are INT32_MIN, below every threshold (thresholds are >= 1 as uint32). In registers a tile is
-[128, P] with one row per thread (``fp4_pack.mosaic.rows_layout``): the 15 compares and sums of a row stay
-in the thread; the 15 per-thread counters are summed across the warpgroup once per CTA. A CTA writes 128
-int32: its 15 counts and, at index 15, the prefix it counted against.
+The keys are the block maxima's f32 bits, [R * C * T * 128, P] rows of P = 32 (CTA (r, c) owns T tiles of
+128 rows), turned into the signed order key in registers (:func:`signed_key`: ``select.order_key`` with the
+sign bit flipped, so int32 order is the keys' order); padding is -1, which becomes INT32_MIN, below every
+threshold (thresholds are >= 1 as uint32). In registers a tile is [128, P] with one row per thread
+(``fp4_pack.mosaic.rows_layout``): the 15 compares and sums of a row stay in the thread; the 15 per-thread
+counters cross the warpgroup two to a word (each CTA count is below 2^16). A CTA writes 128 int32: its 15
+counts and, at index 15, the prefix it counted against.
 
-On the H200 (BENCHMARKS.md) this is 20 kernels against the XLA search's 33 and 73.7 against 76.4 µs at
-[8, 131072] blocks: a pass is ~6.2 µs, of which ~2.2 µs is the scalar reads of the previous pass's
-C x 16 partials (the first pass, which has none, takes 4.0 µs). Reading them through TMA and one
-vector reduction, and one cross-warp reduction of all 15 counters instead of 15, are the next steps.
+On the H200 (BENCHMARKS.md) a pass is ~4.5 µs at [8, 131072] keys (256 CTAs of one tile), but the
+15-compare count is slow where a CTA holds several tiles (~33 µs a pass at [32, 131072]); there
+``radix_cluster`` (the whole search in one kernel) is faster, and ``select.pick_kernel`` chooses.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Streaming: each CTA runs ``mosaic_stream.stream`` over row tiles (TMA in with ``stages`` slots, TMA out
 from two buffers), so loads, the encode and stores of consecutive tiles overlap. Bit-identical to
 ``quant.pack_nvfp4`` / ``pack_mxfp4``; no fp4/fp8 casts (Mosaic GPU has them on Blackwell only) and no
-float divide.
+float divide. ``api`` packs through ``direct.pack`` on GPU now (the same encode without the SMEM loop,
+faster on the H200); this module's pack is the TMA-loop variant, and its unpack is the GPU default.
 
 Per element the encode is 7 compares of |x| with per-group thresholds (``thresholds``: exact, and
 checked exhaustively against the reference), instead of ``encode``'s ~90 integer ops of long division

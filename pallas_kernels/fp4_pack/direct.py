@@ -28,15 +28,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_stream as ms
-from pallas_kernels.fp4_pack import layout, reference
+from pallas_kernels.fp4_pack import layout, pairs, reference
 from pallas_kernels.fp4_pack.mosaic import ENCODES, _encode, _encode_words, _lanes, _to_kernel_input, rows_layout
 
 CHUNK = 128  # groups a register pass: one a thread
+DIRECT_ENCODES = ("auto", *ENCODES, "pairs")  # auto: pairs for bf16 input, compare otherwise
 _REFERENCE = {"nvfp4": reference.pack_nvfp4, "mxfp4": reference.pack_mxfp4}
 
 
 def _body(fmt: str, p: int, split: bool, tg: int, encode: str, interpret: bool):
     def enc(w, bcast):
+        if encode == "pairs":
+            return pairs.encode_model(fmt, w, bcast) if interpret else pairs.encode(fmt, w, rows_layout(p))
         if encode == "swar":
             return _encode_words(fmt, w, bcast)
         return _encode(fmt, *_lanes(w, split), bcast, bsearch=encode == "bsearch")
@@ -71,23 +74,29 @@ def _body(fmt: str, p: int, split: bool, tg: int, encode: str, interpret: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "groups_per_cta", "encode", "interpret"))
-def pack(x, fmt: str, *, groups_per_cta: int = 256, encode: str = "compare", interpret: bool = False):
+def pack(x, fmt: str, *, groups_per_cta: int = 256, encode: str = "auto", interpret: bool = False):
     """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit. ``groups_per_cta`` (a multiple
-    of 128) sets the CTA's share: its loads are all in flight together. ``encode`` as ``mosaic.pack``."""
+    of 128) sets the CTA's share: its loads are all in flight together. ``encode``: ``"pairs"`` (bf16
+    input: both lanes of a word per bf16x2 instruction, ``pairs.py``), the default for bf16 through
+    ``"auto"``, which takes ``"compare"`` for other dtypes; ``"compare"``, ``"bsearch"`` and ``"swar"`` as
+    ``mosaic.pack``."""
     block, lead, n = layout.FORMATS[fmt], x.shape[:-1], x.shape[-1]
     if n % block:
         raise ValueError(f"fp4_pack: the last axis ({n}) must be a multiple of the group size ({block})")
     if groups_per_cta % CHUNK or groups_per_cta <= 0:
         raise ValueError(f"fp4_pack direct: groups_per_cta ({groups_per_cta}) must be a positive multiple of {CHUNK}")
-    if encode not in ENCODES:
-        raise ValueError(f"fp4_pack direct: encode must be one of {ENCODES}, got {encode!r}")
+    if encode not in DIRECT_ENCODES:
+        raise ValueError(f"fp4_pack direct: encode must be one of {DIRECT_ENCODES}, got {encode!r}")
+    if encode == "auto":
+        encode = "pairs" if x.dtype == jnp.bfloat16 else "compare"
     r, p = math.prod(lead), block // 2
     if r == 0:
         return layout.empty(lead, n, block, fmt)
     m = r * (n // block)
     xin, split = _to_kernel_input(x, block)
-    if encode == "swar" and split:
-        raise ValueError("fp4_pack direct: encode='swar' needs bf16 input (two lanes per 32-bit word)")
+    if encode in ("swar", "pairs") and split:
+        raise ValueError(f"fp4_pack direct: encode={encode!r} needs bf16 input (two lanes per 32-bit word), "
+                         f"got {x.dtype}")
     xin = xin.reshape(m, 2, p) if split else xin.reshape(m, p)
     full = m // groups_per_cta
     codes = jnp.zeros((m, p), jnp.uint8)

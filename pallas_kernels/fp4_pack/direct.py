@@ -36,10 +36,12 @@ DIRECT_ENCODES = ("auto", *ENCODES, "pairs")  # auto: pairs for bf16 input, comp
 _REFERENCE = {"nvfp4": reference.pack_nvfp4, "mxfp4": reference.pack_mxfp4}
 
 
-def _body(fmt: str, p: int, split: bool, tg: int, encode: str, interpret: bool):
+def _body(fmt: str, p: int, split: bool, tg: int, encode: str, interpret: bool, pairs_kw: dict):
     def enc(w, bcast):
         if encode == "pairs":
-            return pairs.encode_model(fmt, w, bcast) if interpret else pairs.encode(fmt, w, rows_layout(p))
+            if interpret:
+                return pairs.encode_model(fmt, w, bcast, scale=pairs_kw["scale"])
+            return pairs.encode(fmt, w, rows_layout(p), **pairs_kw)
         if encode == "swar":
             return _encode_words(fmt, w, bcast)
         return _encode(fmt, *_lanes(w, split), bcast, bsearch=encode == "bsearch")
@@ -73,13 +75,16 @@ def _body(fmt: str, p: int, split: bool, tg: int, encode: str, interpret: bool):
     return body
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "groups_per_cta", "encode", "interpret"))
-def pack(x, fmt: str, *, groups_per_cta: int = 256, encode: str = "auto", interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("fmt", "groups_per_cta", "encode", "pairs_codes", "pairs_scale",
+                                             "interpret"))
+def pack(x, fmt: str, *, groups_per_cta: int = 256, encode: str = "auto", pairs_codes: str = "sum",
+         pairs_scale: str = "ptx", interpret: bool = False):
     """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit. ``groups_per_cta`` (a multiple
     of 128) sets the CTA's share: its loads are all in flight together. ``encode``: ``"pairs"`` (bf16
     input: both lanes of a word per bf16x2 instruction, ``pairs.py``), the default for bf16 through
     ``"auto"``, which takes ``"compare"`` for other dtypes; ``"compare"``, ``"bsearch"`` and ``"swar"`` as
-    ``mosaic.pack``."""
+    ``mosaic.pack``. ``pairs_codes`` and ``pairs_scale`` pick the pairs encode's code index and NVFP4
+    scale (``pairs.encode``)."""
     block, lead, n = layout.FORMATS[fmt], x.shape[:-1], x.shape[-1]
     if n % block:
         raise ValueError(f"fp4_pack: the last axis ({n}) must be a multiple of the group size ({block})")
@@ -105,7 +110,7 @@ def pack(x, fmt: str, *, groups_per_cta: int = 256, encode: str = "auto", interp
         kw = {"interpret": ms.interpret_params()} if interpret else {
             "compiler_params": plgpu.CompilerParams(unsafe_no_auto_barriers=True)}
         codes, scales = plgpu.kernel(
-            _body(fmt, p, split, groups_per_cta, encode, interpret),
+            _body(fmt, p, split, groups_per_cta, encode, interpret, {"codes": pairs_codes, "scale": pairs_scale}),
             out_type=(jax.ShapeDtypeStruct((m, p), jnp.uint8), jax.ShapeDtypeStruct((m,), jnp.uint8)),
             grid=(full,), grid_names=(ms.CTA_AXIS,), **kw)(xin)
     done = full * groups_per_cta

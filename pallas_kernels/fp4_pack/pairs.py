@@ -93,9 +93,36 @@ def codes_model(words, pairs):
     return (idx_lo | (idx_hi << 4) | sign).astype(jnp.uint8)
 
 
-def encode_model(fmt: str, words, bcast):
-    """The interpreter's :func:`encode`: same inputs and outputs, jnp arithmetic."""
-    byte, pats = patterns(fmt, row_amax_model(words))
+def nvfp4_scale_from_quotient(q):
+    """fp32 amax / 6, rounded to nearest (>= 2^-9) -> (E4M3 scale as fp32, its byte as int32): the
+    reference's round-half-even onto E4M3 with saturation at 448, on the bits. From 2^-6 the 3 mantissa
+    bits are rounded by an add (a carry into the exponent is the next binade's first value); below it the
+    subnormal quantum 2^-9 is the ulp of 2^14, so ``q + 2^14`` rounds and its low bits are the byte."""
+    qb = _f32_bits(q)
+    normal = qb >= 0x3C800000  # 2^-6
+    rn = (qb + 0x7FFFF + ((qb >> 20) & 1)) & -0x100000
+    n = _f32_bits(q + jnp.float32(16384.0)) - 0x46800000  # quanta of 2^-9, rounded: the subnormal byte
+    small = n.astype(jnp.float32) * jnp.float32(2.0**-9)  # not (q + 2^14) - 2^14, which XLA folds to q
+    s = jnp.minimum(jnp.where(normal, lax.bitcast_convert_type(rn, jnp.float32), small), jnp.float32(448.0))
+    return s, jnp.where(normal, (_f32_bits(s) >> 20) - 0x3C0, n)
+
+
+SCALES = ("int", "ptx")  # nvfp4 scale: the integer long division of thresholds.nvfp4_scale, or div.rn.f32
+CODES = ("sum", "masks")  # the code index: bf16 adds of the compares, or the compares' masks decoded by LOP3s
+
+
+def encode_model(fmt: str, words, bcast, scale: str = "ptx"):
+    """The interpreter's :func:`encode`: same inputs and outputs, jnp arithmetic (``quant._div_rn`` for the
+    quotient that the PTX divides with ``div.rn.f32``)."""
+    amax = row_amax_model(words)
+    if fmt == "nvfp4" and scale == "ptx":
+        from dsv41_jax import quant
+
+        s, byte = nvfp4_scale_from_quotient(quant._div_rn(jnp.maximum(amax, jnp.float32(6 * 2.0**-9)),
+                                                          jnp.float32(6.0)))
+        pats = nvfp4_patterns(s)
+    else:
+        byte, pats = patterns(fmt, amax)
     return codes_model(words, [bcast(pair(p)) for p in pats]), byte.astype(jnp.uint8)
 
 
@@ -110,30 +137,55 @@ and.b32 a, $3, 0x7FFF7FFF; max.bf16x2 m, m, a;
 and.b32 a, $4, 0x7FFF7FFF; max.bf16x2 m, m, a;
 shl.b32 a, m, 16; and.b32 m, m, 0xFFFF0000; max.f32 $0, a, m;
 }"""  # the max |x| of 4 words as fp32 bits (each lane's bf16 widened: exact)
+_DIV6_PTX = "{\n.reg .b32 a;\nmax.f32 a, $1, 0f3C400000;\ndiv.rn.f32 $0, a, 0f40C00000;\n}"  # max(amax, 6 2^-9) / 6
+_SELECT = 0xE4  # lop3 table of (c ? a : b)
+_XOR3 = 0x96  # lop3 table of a ^ b ^ c
+_B1 = 0xBA  # lop3 table of (a & ~b) | c: bit 1 of a thermometer code from its 2nd, 4th and 6th levels
 
 
-def _codes_ptx() -> str:
+def _word_index_sum(i: int) -> list[str]:
+    """r{i}: 128.0 + the count of thresholds reached, a bf16 in each half (index in its low 3 bits)."""
+    lines = [f"set.ge.bf16x2.bf16x2 c, a, $5; add.rn.bf16x2 r{i}, c, k;"]
+    lines += [f"set.ge.bf16x2.bf16x2 c, a, ${t}; add.rn.bf16x2 r{i}, r{i}, c;" for t in range(6, 12)]
+    return lines
+
+
+def _word_index_masks(i: int) -> list[str]:
+    """r{i}: the index bits from the 7 compares' masks (a thermometer code: bit 0 its parity, bit 1
+    levels 2-3 or 6, bit 2 level 4), placed at bits 0-2 of each half by bit selects."""
+    lines = [f"set.ge.u32.bf16x2 m{t - 4}, a, ${t};" for t in range(5, 12)]
+    return lines + [
+        f"lop3.b32 c, m1, m2, m3, {_XOR3:#x}; lop3.b32 c, c, m4, m5, {_XOR3:#x}; lop3.b32 c, c, m6, m7, {_XOR3:#x};",
+        f"lop3.b32 s, m2, m4, m6, {_B1:#x};",
+        f"lop3.b32 r{i}, c, s, 0x00010001, {_SELECT:#x}; lop3.b32 r{i}, r{i}, m4, 0x00030003, {_SELECT:#x};",
+    ]
+
+
+def _codes_ptx(codes: str = "sum") -> str:
     """4 words ($1-$4) and 7 threshold pairs ($5-$11) -> 4 code bytes ($0)."""
-    lines = ["{", ".reg .b32 a, c, k, q0, q1, r0, r1, r2, r3, s;", f"mov.b32 k, {_BIAS2:#x};"]
+    index = {"sum": _word_index_sum, "masks": _word_index_masks}[codes]
+    lines = ["{", ".reg .b32 a, c, k, q0, q1, r0, r1, r2, r3, s, m1, m2, m3, m4, m5, m6, m7;",
+             f"mov.b32 k, {_BIAS2:#x};"]
     for i in range(WORDS):
         lines.append(f"and.b32 a, ${i + 1}, {_ABS2:#x};")
-        lines.append(f"set.ge.bf16x2.bf16x2 c, a, $5; add.rn.bf16x2 r{i}, c, k;")
-        for t in range(6, 12):
-            lines.append(f"set.ge.bf16x2.bf16x2 c, a, ${t}; add.rn.bf16x2 r{i}, r{i}, c;")
-        lines.append(f"shr.b32 s, ${i + 1}, 12; and.b32 s, s, {_SIGNS:#x}; or.b32 r{i}, r{i}, s;")
-    lines += [  # [lo0, hi0, lo1, hi1] nibbles a byte, then nibble pairs joined, then the 4 code bytes
-        "prmt.b32 q0, r0, r1, 0x6420; shr.b32 s, q0, 4; or.b32 q0, q0, s;",
-        "prmt.b32 q1, r2, r3, 0x6420; shr.b32 s, q1, 4; or.b32 q1, q1, s;",
+        lines += index(i)
+        # the sign bits at 3 and 19; the rest of r's nibble bits is clear (sum) or selected away (masks)
+        lines.append(f"shr.b32 s, ${i + 1}, 12; lop3.b32 r{i}, r{i}, s, 0x00070007, {_SELECT:#x};")
+    lines += [  # [lo0, hi0, lo1, hi1] nibbles a byte, the nibble pairs joined by a select, the 4 code bytes
+        f"prmt.b32 q0, r0, r1, 0x6420; shr.b32 s, q0, 4; lop3.b32 q0, q0, s, 0x0F0F0F0F, {_SELECT:#x};",
+        f"prmt.b32 q1, r2, r3, 0x6420; shr.b32 s, q1, 4; lop3.b32 q1, q1, s, 0x0F0F0F0F, {_SELECT:#x};",
         "prmt.b32 $0, q0, q1, 0x6420;",
         "}",
     ]
     return "\n".join(lines)
 
 
-def _asm(ir_type, operands, text):
+def _asm(operands, text):
+    from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import llvm
 
-    return llvm.inline_asm(ir_type, list(operands), text, "=r" + ",r" * len(operands), has_side_effects=False)
+    i32 = ir.IntegerType.get_signless(32)
+    return llvm.inline_asm(i32, list(operands), text, "=r" + ",r" * len(operands), has_side_effects=False)
 
 
 def _words_of(arr):
@@ -169,41 +221,63 @@ def _splat_array(values, like, dtype):
     return fa.FragmentedArray(_registers=regs, _layout=like.layout, _is_signed=dtype != jnp.uint8)
 
 
-def encode(fmt: str, words, layout):
-    """[C, P] bf16-pair words in ``layout`` (``mosaic.rows_layout(P)``: a thread owns a row) -> (codes
-    uint8 [C, P], scale bytes uint8 [C]), bit-identical to ``quant.pack_<fmt>`` on the words' lanes."""
+def _nvfp4_pattern_pairs(s_bits):
+    """E4M3 scale (fp32 bits, an i32 value) -> the 7 threshold pairs: s in both halves, times each
+    midpoint (``mul.rn.bf16x2``, exact), one up for the tie-down ones."""
+    lines = []
+    for mu_bits, up in zip(_MU16, thresholds.TIE_UP, strict=True):
+        step = "" if up else "add.u32 $0, $0, 0x00010001;\n"
+        lines.append("{\n.reg .b32 p, m;\nshr.b32 p, $1, 16;\nmul.lo.u32 p, p, 0x10001;\n"
+                     f"mov.b32 m, {pair(mu_bits):#x};\nmul.rn.bf16x2 $0, p, m;\n{step}}}")
+    return [_asm([s_bits], text) for text in lines]
+
+
+def encode(fmt: str, words, layout, *, codes: str = "sum", scale: str = "ptx"):
+    """[C, P] bf16-pair words in ``layout`` (``mosaic.rows_layout(P)`` with C = 128: a thread owns a row)
+    -> (codes uint8 [C, P], scale bytes uint8 [C]), bit-identical to ``quant.pack_<fmt>`` on the words'
+    lanes. ``codes`` picks the code index's PTX (:data:`CODES`); ``scale="ptx"`` takes the NVFP4 scale
+    from ``div.rn.f32`` and :func:`nvfp4_scale_from_quotient`, ``"int"`` from ``thresholds.nvfp4_scale``."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     c, p = words.shape
+    if c != 128:
+        raise ValueError(f"fp4_pack pairs: a thread owns one row, so the words come 128 rows at a time, got {c}")
+    if codes not in CODES or scale not in SCALES:
+        raise ValueError(f"fp4_pack pairs: codes must be one of {CODES} and scale one of {SCALES}, got "
+                         f"{codes!r}, {scale!r}")
+    quotient = fmt == "nvfp4" and scale == "ptx"
     i32 = plgpu.ShapeDtypeStruct((c, p), jnp.int32, layout=layout)
 
     @plgpu.inline_mgpu(arg_types=(layout,), return_type=i32)
-    def row_amax(ctx, w):  # each element the row's max |x| (fp32 bits); a thread's registers are its row
+    def row_amax(ctx, w):  # each element the row's max |x| (nvfp4 "ptx": max(amax, 6 2^-9) / 6), fp32 bits
         del ctx
-        from jaxlib.mlir import ir
-
-        i32_t = ir.IntegerType.get_signless(32)
-        parts = [_asm(i32_t, ws, _AMAX_PTX) for ws in _words_of(w)]
+        parts = [_asm(ws, _AMAX_PTX) for ws in _words_of(w)]
         m = parts[0]
         for q in parts[1:]:
-            m = _asm(i32_t, [m, q], "max.f32 $0, $1, $2;")  # bf16 patterns in the high half: exact
+            m = _asm([m, q], "max.f32 $0, $1, $2;")  # fp32 patterns of bf16 values: exact
+        if quotient:
+            m = _asm([m], _DIV6_PTX)
         return _splat_array([m] * len(parts), w, jnp.int32)
 
-    @plgpu.inline_mgpu(arg_types=(layout,) * 8, return_type=plgpu.ShapeDtypeStruct((c, p), jnp.uint8, layout=layout))
-    def codes(ctx, w, *pairs):
+    n_extra = 1 if quotient else 7
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * (1 + n_extra),
+                       return_type=plgpu.ShapeDtypeStruct((c, p), jnp.uint8, layout=layout))
+    def code_bytes(ctx, w, *extra):
         del ctx
-        from jaxlib.mlir import ir
-
-        i32_t = ir.IntegerType.get_signless(32)
-        text = _codes_ptx()
-        thr = [_words_of(t) for t in pairs]
-        out = [_asm(i32_t, [*ws, *(t[r][0] for t in thr)], text) for r, ws in enumerate(_words_of(w))]
-        return _splat_array(out, w, jnp.uint8)
-
-    amax = lax.bitcast_convert_type(jnp.max(row_amax(words), axis=1), jnp.float32)
-    byte, pats = patterns(fmt, amax)
+        per_row = [_words_of(t)[0][0] for t in extra]  # each a splat of the row's value
+        pairs_ = _nvfp4_pattern_pairs(per_row[0]) if quotient else per_row
+        text = _codes_ptx(codes)
+        return _splat_array([_asm([*ws, *pairs_], text) for ws in _words_of(w)], w, jnp.uint8)
 
     def bcast(v):
         return plgpu.layout_cast(lax.broadcast_in_dim(v, (c, p), (0,)), layout)
 
-    return codes(words, *(bcast(pair(q)) for q in pats)), byte.astype(jnp.uint8)
+    m = lax.bitcast_convert_type(jnp.max(row_amax(words), axis=1), jnp.float32)
+    if quotient:
+        s, byte = nvfp4_scale_from_quotient(m)
+        extra = [bcast(_f32_bits(s))]
+    else:
+        byte, pats = patterns(fmt, m)
+        extra = [bcast(pair(q)) for q in pats]
+    return code_bytes(words, *extra), byte.astype(jnp.uint8)

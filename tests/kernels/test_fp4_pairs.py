@@ -66,6 +66,22 @@ def test_patterns_are_bf16_values():
         np.testing.assert_array_equal(np.asarray(p), (exact.view(np.uint32) >> 16) + (0 if up else 1))
 
 
+def test_nvfp4_scale_from_quotient_exhaustive():
+    """Every bf16 amax (and fp32 ones around each E4M3 midpoint and the subnormal/normal boundary): the
+    bit rounding of max(amax, 6 2^-9) / 6 == the reference's scale and byte."""
+    mids = np.unique(np.asarray(NVFP4_SCALES, np.float64)[:, None] * np.array([1.0, 1.0625, 1.03125]))
+    near = (np.asarray(mids * 6, np.float32).view(np.int32)[:, None] + np.arange(-3, 4)).reshape(-1).view(np.float32)
+    amax = np.concatenate([ALL_BF16[ALL_BF16 >= 0], near[near > 0]]).astype(np.float32)
+
+    def ours(a):
+        return pairs.nvfp4_scale_from_quotient(quant._div_rn(jnp.maximum(a, 6 * 2.0**-9), jnp.float32(6.0)))
+
+    s, byte = _on_cpu(ours, amax)
+    want = _on_cpu(lambda a: quant._round_e4m3(quant._div_rn(jnp.maximum(a, 6 * 2.0**-9), jnp.float32(6))), amax)
+    np.testing.assert_array_equal(s, want)
+    np.testing.assert_array_equal(byte.astype(np.uint8), want.astype(jnp.float8_e4m3fn).view(np.uint8))
+
+
 def test_row_amax_model():
     rows = np.random.default_rng(0).choice(WORDS, (4096, 8))
     got = np.asarray(pairs.row_amax_model(jnp.asarray(rows)))
@@ -73,12 +89,13 @@ def test_row_amax_model():
     np.testing.assert_array_equal(got, np.abs(lanes).reshape(4096, -1).max(-1))
 
 
-@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 96)])
-def test_direct_pairs_interpreted(fmt, n):
+@pytest.mark.parametrize("fmt,n,scale", [("nvfp4", 512, "ptx"), ("nvfp4", 512, "int"), ("mxfp4", 128, "ptx"),
+                                         ("nvfp4", 96, "ptx")])
+def test_direct_pairs_interpreted(fmt, n, scale):
     """The SMEM-less pack with ``encode="pairs"`` (the bf16 default) on every case, in the interpreter."""
     x = np.asarray(jnp.asarray(all_fp4_cases(fmt, n), jnp.bfloat16).astype(jnp.float32))
-    impl = functools.partial(direct.pack, encode="pairs", groups_per_cta=128, interpret=True)
-    _fp4_check(impl, x, fmt, f"pairs {fmt} N={n}", jnp.bfloat16)
+    impl = functools.partial(direct.pack, encode="pairs", pairs_scale=scale, groups_per_cta=128, interpret=True)
+    _fp4_check(impl, x, fmt, f"pairs {fmt} N={n} scale={scale}", jnp.bfloat16)
 
 
 def test_pairs_needs_bf16():
@@ -86,11 +103,12 @@ def test_pairs_needs_bf16():
         direct.pack(jnp.zeros((128, 512), jnp.float32), "nvfp4", encode="pairs", interpret=True)
 
 
-@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128)])
-def test_direct_pairs_lowers(fmt, n):
+@pytest.mark.parametrize("fmt,n,kw", [("nvfp4", 512, {}), ("mxfp4", 128, {}),
+                                      ("nvfp4", 512, {"pairs_codes": "masks", "pairs_scale": "int"})])
+def test_direct_pairs_lowers(fmt, n, kw):
     """The inline PTX lowers into the Mosaic GPU module for a cuda target (PTX assembly is left to the
     device)."""
-    fn = functools.partial(direct.pack, fmt=fmt, encode="pairs")
+    fn = functools.partial(direct.pack, fmt=fmt, encode="pairs", **kw)
     text = jax.jit(fn).trace(jax.ShapeDtypeStruct((4096, n), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -98,15 +116,22 @@ def test_direct_pairs_lowers(fmt, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 96)])
-def test_direct_pairs_on_device(fmt, n):
-    """The PTX on the device == the reference: every case, every finite bf16 of both signs (in order, so
-    each group spans a narrow range of magnitudes), a tail past the last CTA, 3 rows."""
-    impl = functools.partial(direct.pack, encode="pairs")
+@pytest.mark.parametrize("kw", [{}, {"pairs_codes": "masks", "pairs_scale": "int"}])
+def test_direct_pairs_on_device(fmt, n, kw):
+    """The PTX on the device == the reference: every case; every finite bf16 of both signs (in order, so
+    each group spans a narrow range of magnitudes); every bf16 as a group's amax (one a group, with
+    random smaller lanes); a tail past the last CTA; 3 rows."""
+    impl = functools.partial(direct.pack, encode="pairs", **kw)
     lanes = np.asarray(lax.bitcast_convert_type(jnp.asarray(WORDS), jnp.bfloat16).astype(jnp.float32)).reshape(-1)
-    lanes = lanes[: lanes.size // n * n].reshape(-1, n)
-    big = np.random.default_rng(7).standard_normal((4099, n)).astype(np.float32)
-    for x, label in ((all_fp4_cases(fmt, n), "cases"), (lanes, "all bf16"), (big, "4099 rows"), (big[:3], "3 rows")):
+    rng = np.random.default_rng(7)
+    block = n // (n // (16 if fmt == "nvfp4" else 32))
+    amax = np.abs(lanes)[: lanes.size // (n // block) * (n // block)]
+    groups = amax[:, None] * rng.uniform(-1, 1, (amax.size, block)).astype(np.float32)
+    groups[np.arange(amax.size), rng.integers(0, block, amax.size)] = amax * rng.choice([-1, 1], amax.size)
+    big = rng.standard_normal((4099, n)).astype(np.float32)
+    for x, label in ((all_fp4_cases(fmt, n), "cases"), (lanes[: lanes.size // n * n].reshape(-1, n), "all bf16"),
+                     (groups.reshape(-1, n), "every amax"), (big, "4099 rows"), (big[:3], "3 rows")):
         x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
-        for gpc in (128, 256):
-            _fp4_check(functools.partial(impl, groups_per_cta=gpc), x, fmt, f"pairs {gpc} {fmt} N={n} {label}",
-                       jnp.bfloat16)
+        for gpc in (128, 512):
+            _fp4_check(functools.partial(impl, groups_per_cta=gpc), x, fmt,
+                       f"pairs {kw} {gpc} {fmt} N={n} {label}", jnp.bfloat16)

@@ -4,10 +4,13 @@ its packed bytes straight back, as an XLA elementwise fusion does.
 ``mosaic.pack`` moves a tile TMA -> SMEM -> registers -> SMEM -> TMA in a persistent loop of a few CTAs per
 SM; on the H200 that loop bounds it at ~half the copy rate (BENCHMARKS.md). Here there is no loop and no
 barrier: a grid of small CTAs (one warpgroup each, ``groups_per_cta`` groups, one group a thread per
-128-group chunk) issues all its loads at once, encodes (``mosaic._encode``: the same per-group scale and
-threshold compares, bit-identical to ``quant``), and writes its codes (block / 2 bytes a group, contiguous
+128-group chunk) issues all its loads at once, encodes, and writes its codes (block / 2 bytes a group, contiguous
 per thread) and scale bytes with plain vector stores. Latency is hidden by the many resident CTAs, not by
 a software pipeline.
+
+Encodes (all bit-identical to ``quant``): for bf16 input ``pairs.encode`` (both lanes of a word per
+bf16x2 compare and add, inline PTX), which took the NVFP4 pack from 53% to 86% of the copy's rate on the
+H200; for other dtypes ``mosaic._encode`` (fp32 threshold compares on the pre-split lanes).
 
 Views: input [M, P] int32 words (bf16 pairs; M = rows x groups, P = block / 2) or, for other input dtypes,
 [M, 2, P] fp32 [evens | odds] (``mosaic._to_kernel_input``'s transpose); codes [M, P] bytes, scales [M]
@@ -36,12 +39,10 @@ DIRECT_ENCODES = ("auto", *ENCODES, "pairs")  # auto: pairs for bf16 input, comp
 _REFERENCE = {"nvfp4": reference.pack_nvfp4, "mxfp4": reference.pack_mxfp4}
 
 
-def _body(fmt: str, p: int, split: bool, tg: int, encode: str, interpret: bool, pairs_kw: dict):
+def _body(fmt: str, p: int, split: bool, tg: int, encode: str, interpret: bool):
     def enc(w, bcast):
         if encode == "pairs":
-            if interpret:
-                return pairs.encode_model(fmt, w, bcast, scale=pairs_kw["scale"])
-            return pairs.encode(fmt, w, rows_layout(p), **pairs_kw)
+            return pairs.encode_model(fmt, w, bcast) if interpret else pairs.encode(fmt, w, rows_layout(p))
         if encode == "swar":
             return _encode_words(fmt, w, bcast)
         return _encode(fmt, *_lanes(w, split), bcast, bsearch=encode == "bsearch")
@@ -75,25 +76,30 @@ def _body(fmt: str, p: int, split: bool, tg: int, encode: str, interpret: bool, 
     return body
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "groups_per_cta", "encode", "pairs_codes", "pairs_scale",
-                                             "interpret"))
-def pack(x, fmt: str, *, groups_per_cta: int = 256, encode: str = "auto", pairs_codes: str = "sum",
-         pairs_scale: str = "ptx", interpret: bool = False):
+def default_groups_per_cta(fmt: str, encode: str) -> int:
+    """Groups a CTA packs: the fastest measured on the H200 at 128K rows (BENCHMARKS.md), 1024 for the
+    pairs encode of NVFP4 (all 8 register passes' loads in flight), 256 otherwise."""
+    return 1024 if (fmt, encode) == ("nvfp4", "pairs") else 256
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "groups_per_cta", "encode", "interpret"))
+def pack(x, fmt: str, *, groups_per_cta: int | None = None, encode: str = "auto", interpret: bool = False):
     """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit. ``groups_per_cta`` (a multiple
     of 128) sets the CTA's share: its loads are all in flight together. ``encode``: ``"pairs"`` (bf16
     input: both lanes of a word per bf16x2 instruction, ``pairs.py``), the default for bf16 through
     ``"auto"``, which takes ``"compare"`` for other dtypes; ``"compare"``, ``"bsearch"`` and ``"swar"`` as
-    ``mosaic.pack``. ``pairs_codes`` and ``pairs_scale`` pick the pairs encode's code index and NVFP4
-    scale (``pairs.encode``)."""
+    ``mosaic.pack``. ``groups_per_cta`` defaults to :func:`default_groups_per_cta`."""
     block, lead, n = layout.FORMATS[fmt], x.shape[:-1], x.shape[-1]
     if n % block:
         raise ValueError(f"fp4_pack: the last axis ({n}) must be a multiple of the group size ({block})")
-    if groups_per_cta % CHUNK or groups_per_cta <= 0:
-        raise ValueError(f"fp4_pack direct: groups_per_cta ({groups_per_cta}) must be a positive multiple of {CHUNK}")
     if encode not in DIRECT_ENCODES:
         raise ValueError(f"fp4_pack direct: encode must be one of {DIRECT_ENCODES}, got {encode!r}")
     if encode == "auto":
         encode = "pairs" if x.dtype == jnp.bfloat16 else "compare"
+    if groups_per_cta is None:
+        groups_per_cta = default_groups_per_cta(fmt, encode)
+    if groups_per_cta % CHUNK or groups_per_cta <= 0:
+        raise ValueError(f"fp4_pack direct: groups_per_cta ({groups_per_cta}) must be a positive multiple of {CHUNK}")
     r, p = math.prod(lead), block // 2
     if r == 0:
         return layout.empty(lead, n, block, fmt)
@@ -110,7 +116,7 @@ def pack(x, fmt: str, *, groups_per_cta: int = 256, encode: str = "auto", pairs_
         kw = {"interpret": ms.interpret_params()} if interpret else {
             "compiler_params": plgpu.CompilerParams(unsafe_no_auto_barriers=True)}
         codes, scales = plgpu.kernel(
-            _body(fmt, p, split, groups_per_cta, encode, interpret, {"codes": pairs_codes, "scale": pairs_scale}),
+            _body(fmt, p, split, groups_per_cta, encode, interpret),
             out_type=(jax.ShapeDtypeStruct((m, p), jnp.uint8), jax.ShapeDtypeStruct((m,), jnp.uint8)),
             grid=(full,), grid_names=(ms.CTA_AXIS,), **kw)(xin)
     done = full * groups_per_cta

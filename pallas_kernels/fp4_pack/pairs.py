@@ -15,18 +15,25 @@ pack on the H200 (BENCHMARKS.md). Here the compares stay in bf16:
 * **The count in bf16 arithmetic.** ``set.ge.bf16x2.bf16x2`` gives 1.0 or 0.0 in each half; the seven
   results are added onto 128.0 (``add.rn.bf16x2``, exact: bf16 steps by 1 on [128, 256)), so each half's
   bit pattern is 0x4300 + index, the code index in its low 3 bits and bits 3-7 clear.
-* **Bytes by permutes.** With the sign bits ORed in at bits 3 and 19, a word holds the low nibble in byte
-  0 and the high nibble in byte 2; ``prmt`` gathers the nibbles of two words into one register, a shift
-  and an OR join nibble pairs, and a last ``prmt`` assembles four code bytes: 4 words -> 1 word of codes.
+* **Bytes by permutes.** With the sign bits selected in at bits 3 and 19, a word holds the low nibble
+  in byte 0 and the high nibble in byte 2; ``prmt`` gathers the nibbles of two words into one register,
+  a shift and a bit select join nibble pairs, and a last ``prmt`` assembles four code bytes: 4 words ->
+  1 word of codes.
+* **The NVFP4 scale without long division.** ``div.rn.f32`` (correctly rounded, as ``quant._div_rn``)
+  forms amax / 6, and :func:`nvfp4_scale_from_quotient` rounds it onto E4M3 on the bits; the thresholds
+  are ``mul.rn.bf16x2`` of the scale pair by each midpoint pair (exact). ``thresholds.nvfp4_scale``'s
+  integer long division cost as much as the element loop's compares (BENCHMARKS.md).
 
-Per word: 1 AND, 7 compares and 7 adds on the paired-lane pipe, 2 ops for the sign, and 7 ops per 4 words
-for the bytes, ~10 instructions an element; the group maximum is ``max.bf16x2`` over the row's words.
+Per 4 words (8 elements) ptxas emits 28 compares and 28 adds (``HSET2``, ``HADD2`` / ``HFMA2.MMA``) and
+~18 integer ops; the whole kernel is ~15 instructions an element at 1024 groups a CTA, against ~35 with
+the fp32 compares. The group maximum is ``max.bf16x2`` over the row's words.
 
 :func:`encode` is the kernel body's form (inline PTX through ``plgpu.inline_mgpu``; sm_90 for the bf16x2
-compare and add), :func:`encode_model` the same arithmetic in jnp on the same words (integer compares
-of the 15-bit magnitudes: for non-negative bf16 patterns the order of the bits is the order of the
-values, and a NaN pattern compares false either way), used by the GPU interpreter on CPU. Inputs are
-finite bf16 (a NaN input's codes are unspecified, as in ``thresholds``).
+compare and add), :func:`encode_model` the same arithmetic in jnp on the same words, used by the GPU
+interpreter on CPU: integer compares of the 15-bit magnitudes (for non-negative bf16 patterns the order
+of the bits is the order of the values, and a NaN pattern compares false either way) and
+``quant._div_rn`` for the quotient. Inputs are finite bf16 (a NaN input's codes are unspecified, as in
+``thresholds``).
 """
 
 from __future__ import annotations
@@ -62,10 +69,15 @@ def mxfp4_patterns(e):
             for m, up in zip(_MU16, thresholds.TIE_UP, strict=True)]
 
 
-def patterns(fmt: str, amax):
-    """Group amax (fp32, >= 0) -> (scale byte int32, the 7 threshold patterns in [0x80, 0x8000))."""
+def group_patterns_model(fmt: str, amax):
+    """Group amax (fp32, >= 0) -> (scale byte int32, the 7 threshold patterns in [0x80, 0x8000)): the
+    per-group step of :func:`encode` in jnp (``quant._div_rn`` for the quotient that the PTX divides with
+    ``div.rn.f32``)."""
     if fmt == "nvfp4":
-        s, byte = thresholds.nvfp4_scale(amax)
+        from dsv41_jax import quant
+
+        q = quant._div_rn(jnp.maximum(amax, jnp.float32(6 * 2.0**-9)), jnp.float32(6.0))
+        s, byte = nvfp4_scale_from_quotient(q)
         return byte, nvfp4_patterns(s)
     e = thresholds.mxfp4_scale(amax)
     return e + 127, mxfp4_patterns(e)
@@ -107,22 +119,9 @@ def nvfp4_scale_from_quotient(q):
     return s, jnp.where(normal, (_f32_bits(s) >> 20) - 0x3C0, n)
 
 
-SCALES = ("int", "ptx")  # nvfp4 scale: the integer long division of thresholds.nvfp4_scale, or div.rn.f32
-CODES = ("sum", "masks")  # the code index: bf16 adds of the compares, or the compares' masks decoded by LOP3s
-
-
-def encode_model(fmt: str, words, bcast, scale: str = "ptx"):
-    """The interpreter's :func:`encode`: same inputs and outputs, jnp arithmetic (``quant._div_rn`` for the
-    quotient that the PTX divides with ``div.rn.f32``)."""
-    amax = row_amax_model(words)
-    if fmt == "nvfp4" and scale == "ptx":
-        from dsv41_jax import quant
-
-        s, byte = nvfp4_scale_from_quotient(quant._div_rn(jnp.maximum(amax, jnp.float32(6 * 2.0**-9)),
-                                                          jnp.float32(6.0)))
-        pats = nvfp4_patterns(s)
-    else:
-        byte, pats = patterns(fmt, amax)
+def encode_model(fmt: str, words, bcast):
+    """The interpreter's :func:`encode`: same inputs and outputs, jnp arithmetic."""
+    byte, pats = group_patterns_model(fmt, row_amax_model(words))
     return codes_model(words, [bcast(pair(p)) for p in pats]), byte.astype(jnp.uint8)
 
 
@@ -139,38 +138,17 @@ shl.b32 a, m, 16; and.b32 m, m, 0xFFFF0000; max.f32 $0, a, m;
 }"""  # the max |x| of 4 words as fp32 bits (each lane's bf16 widened: exact)
 _DIV6_PTX = "{\n.reg .b32 a;\nmax.f32 a, $1, 0f3C400000;\ndiv.rn.f32 $0, a, 0f40C00000;\n}"  # max(amax, 6 2^-9) / 6
 _SELECT = 0xE4  # lop3 table of (c ? a : b)
-_XOR3 = 0x96  # lop3 table of a ^ b ^ c
-_B1 = 0xBA  # lop3 table of (a & ~b) | c: bit 1 of a thermometer code from its 2nd, 4th and 6th levels
 
 
-def _word_index_sum(i: int) -> list[str]:
-    """r{i}: 128.0 + the count of thresholds reached, a bf16 in each half (index in its low 3 bits)."""
-    lines = [f"set.ge.bf16x2.bf16x2 c, a, $5; add.rn.bf16x2 r{i}, c, k;"]
-    lines += [f"set.ge.bf16x2.bf16x2 c, a, ${t}; add.rn.bf16x2 r{i}, r{i}, c;" for t in range(6, 12)]
-    return lines
-
-
-def _word_index_masks(i: int) -> list[str]:
-    """r{i}: the index bits from the 7 compares' masks (a thermometer code: bit 0 its parity, bit 1
-    levels 2-3 or 6, bit 2 level 4), placed at bits 0-2 of each half by bit selects."""
-    lines = [f"set.ge.u32.bf16x2 m{t - 4}, a, ${t};" for t in range(5, 12)]
-    return lines + [
-        f"lop3.b32 c, m1, m2, m3, {_XOR3:#x}; lop3.b32 c, c, m4, m5, {_XOR3:#x}; lop3.b32 c, c, m6, m7, {_XOR3:#x};",
-        f"lop3.b32 s, m2, m4, m6, {_B1:#x};",
-        f"lop3.b32 r{i}, c, s, 0x00010001, {_SELECT:#x}; lop3.b32 r{i}, r{i}, m4, 0x00030003, {_SELECT:#x};",
-    ]
-
-
-def _codes_ptx(codes: str = "sum") -> str:
+def _codes_ptx() -> str:
     """4 words ($1-$4) and 7 threshold pairs ($5-$11) -> 4 code bytes ($0)."""
-    index = {"sum": _word_index_sum, "masks": _word_index_masks}[codes]
-    lines = ["{", ".reg .b32 a, c, k, q0, q1, r0, r1, r2, r3, s, m1, m2, m3, m4, m5, m6, m7;",
-             f"mov.b32 k, {_BIAS2:#x};"]
+    lines = ["{", ".reg .b32 a, c, k, q0, q1, r0, r1, r2, r3, s;", f"mov.b32 k, {_BIAS2:#x};"]
     for i in range(WORDS):
         lines.append(f"and.b32 a, ${i + 1}, {_ABS2:#x};")
-        lines += index(i)
-        # the sign bits at 3 and 19; the rest of r's nibble bits is clear (sum) or selected away (masks)
-        lines.append(f"shr.b32 s, ${i + 1}, 12; lop3.b32 r{i}, r{i}, s, 0x00070007, {_SELECT:#x};")
+        # r{i}: 128.0 + the count of thresholds reached, a bf16 in each half (the index in its low 3 bits)
+        lines.append(f"set.ge.bf16x2.bf16x2 c, a, $5; add.rn.bf16x2 r{i}, c, k;")
+        lines += [f"set.ge.bf16x2.bf16x2 c, a, ${t}; add.rn.bf16x2 r{i}, r{i}, c;" for t in range(6, 12)]
+        lines.append(f"shr.b32 s, ${i + 1}, 12; lop3.b32 r{i}, r{i}, s, 0x00070007, {_SELECT:#x};")  # signs: bits 3, 19
     lines += [  # [lo0, hi0, lo1, hi1] nibbles a byte, the nibble pairs joined by a select, the 4 code bytes
         f"prmt.b32 q0, r0, r1, 0x6420; shr.b32 s, q0, 4; lop3.b32 q0, q0, s, 0x0F0F0F0F, {_SELECT:#x};",
         f"prmt.b32 q1, r2, r3, 0x6420; shr.b32 s, q1, 4; lop3.b32 q1, q1, s, 0x0F0F0F0F, {_SELECT:#x};",
@@ -232,52 +210,49 @@ def _nvfp4_pattern_pairs(s_bits):
     return [_asm([s_bits], text) for text in lines]
 
 
-def encode(fmt: str, words, layout, *, codes: str = "sum", scale: str = "ptx"):
+def encode(fmt: str, words, layout):
     """[C, P] bf16-pair words in ``layout`` (``mosaic.rows_layout(P)`` with C = 128: a thread owns a row)
     -> (codes uint8 [C, P], scale bytes uint8 [C]), bit-identical to ``quant.pack_<fmt>`` on the words'
-    lanes. ``codes`` picks the code index's PTX (:data:`CODES`); ``scale="ptx"`` takes the NVFP4 scale
-    from ``div.rn.f32`` and :func:`nvfp4_scale_from_quotient`, ``"int"`` from ``thresholds.nvfp4_scale``."""
+    lanes. NVFP4: the row maximum's quotient by 6 in PTX (``div.rn.f32``), the scale from it in jnp
+    (:func:`nvfp4_scale_from_quotient`), the thresholds from the scale in PTX; MXFP4: the thresholds in jnp
+    from the row maximum."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     c, p = words.shape
     if c != 128:
         raise ValueError(f"fp4_pack pairs: a thread owns one row, so the words come 128 rows at a time, got {c}")
-    if codes not in CODES or scale not in SCALES:
-        raise ValueError(f"fp4_pack pairs: codes must be one of {CODES} and scale one of {SCALES}, got "
-                         f"{codes!r}, {scale!r}")
-    quotient = fmt == "nvfp4" and scale == "ptx"
-    i32 = plgpu.ShapeDtypeStruct((c, p), jnp.int32, layout=layout)
+    nvfp4 = fmt == "nvfp4"
 
-    @plgpu.inline_mgpu(arg_types=(layout,), return_type=i32)
-    def row_amax(ctx, w):  # each element the row's max |x| (nvfp4 "ptx": max(amax, 6 2^-9) / 6), fp32 bits
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct((c, p), jnp.int32, layout=layout))
+    def row_amax(ctx, w):  # each element the row's max |x| (nvfp4: max(amax, 6 2^-9) / 6), fp32 bits
         del ctx
         parts = [_asm(ws, _AMAX_PTX) for ws in _words_of(w)]
         m = parts[0]
         for q in parts[1:]:
             m = _asm([m, q], "max.f32 $0, $1, $2;")  # fp32 patterns of bf16 values: exact
-        if quotient:
+        if nvfp4:
             m = _asm([m], _DIV6_PTX)
         return _splat_array([m] * len(parts), w, jnp.int32)
 
-    n_extra = 1 if quotient else 7
+    n_extra = 1 if nvfp4 else 7  # the scale, or the 7 threshold pairs
 
     @plgpu.inline_mgpu(arg_types=(layout,) * (1 + n_extra),
                        return_type=plgpu.ShapeDtypeStruct((c, p), jnp.uint8, layout=layout))
     def code_bytes(ctx, w, *extra):
         del ctx
         per_row = [_words_of(t)[0][0] for t in extra]  # each a splat of the row's value
-        pairs_ = _nvfp4_pattern_pairs(per_row[0]) if quotient else per_row
-        text = _codes_ptx(codes)
+        pairs_ = _nvfp4_pattern_pairs(per_row[0]) if nvfp4 else per_row
+        text = _codes_ptx()
         return _splat_array([_asm([*ws, *pairs_], text) for ws in _words_of(w)], w, jnp.uint8)
 
     def bcast(v):
         return plgpu.layout_cast(lax.broadcast_in_dim(v, (c, p), (0,)), layout)
 
     m = lax.bitcast_convert_type(jnp.max(row_amax(words), axis=1), jnp.float32)
-    if quotient:
+    if nvfp4:
         s, byte = nvfp4_scale_from_quotient(m)
         extra = [bcast(_f32_bits(s))]
     else:
-        byte, pats = patterns(fmt, m)
-        extra = [bcast(pair(q)) for q in pats]
+        e = thresholds.mxfp4_scale(m)
+        byte, extra = e + 127, [bcast(pair(q)) for q in mxfp4_patterns(e)]
     return code_bytes(words, *extra), byte.astype(jnp.uint8)

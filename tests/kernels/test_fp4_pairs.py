@@ -89,13 +89,12 @@ def test_row_amax_model():
     np.testing.assert_array_equal(got, np.abs(lanes).reshape(4096, -1).max(-1))
 
 
-@pytest.mark.parametrize("fmt,n,scale", [("nvfp4", 512, "ptx"), ("nvfp4", 512, "int"), ("mxfp4", 128, "ptx"),
-                                         ("nvfp4", 96, "ptx")])
-def test_direct_pairs_interpreted(fmt, n, scale):
+@pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 96)])
+def test_direct_pairs_interpreted(fmt, n):
     """The SMEM-less pack with ``encode="pairs"`` (the bf16 default) on every case, in the interpreter."""
     x = np.asarray(jnp.asarray(all_fp4_cases(fmt, n), jnp.bfloat16).astype(jnp.float32))
-    impl = functools.partial(direct.pack, encode="pairs", pairs_scale=scale, groups_per_cta=128, interpret=True)
-    _fp4_check(impl, x, fmt, f"pairs {fmt} N={n} scale={scale}", jnp.bfloat16)
+    impl = functools.partial(direct.pack, encode="pairs", groups_per_cta=128, interpret=True)
+    _fp4_check(impl, x, fmt, f"pairs {fmt} N={n}", jnp.bfloat16)
 
 
 def test_pairs_needs_bf16():
@@ -103,8 +102,7 @@ def test_pairs_needs_bf16():
         direct.pack(jnp.zeros((128, 512), jnp.float32), "nvfp4", encode="pairs", interpret=True)
 
 
-@pytest.mark.parametrize("fmt,n,kw", [("nvfp4", 512, {}), ("mxfp4", 128, {}),
-                                      ("nvfp4", 512, {"pairs_codes": "masks", "pairs_scale": "int"})])
+@pytest.mark.parametrize("fmt,n,kw", [("nvfp4", 512, {}), ("mxfp4", 128, {}), ("nvfp4", 512, {"groups_per_cta": 128})])
 def test_direct_pairs_lowers(fmt, n, kw):
     """The inline PTX lowers into the Mosaic GPU module for a cuda target (PTX assembly is left to the
     device)."""
@@ -116,12 +114,11 @@ def test_direct_pairs_lowers(fmt, n, kw):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 96)])
-@pytest.mark.parametrize("kw", [{}, {"pairs_codes": "masks", "pairs_scale": "int"}])
-def test_direct_pairs_on_device(fmt, n, kw):
+def test_direct_pairs_on_device(fmt, n):
     """The PTX on the device == the reference: every case; every finite bf16 of both signs (in order, so
     each group spans a narrow range of magnitudes); every bf16 as a group's amax (one a group, with
     random smaller lanes); a tail past the last CTA; 3 rows."""
-    impl = functools.partial(direct.pack, encode="pairs", **kw)
+    impl = functools.partial(direct.pack, encode="pairs")
     lanes = np.asarray(lax.bitcast_convert_type(jnp.asarray(WORDS), jnp.bfloat16).astype(jnp.float32)).reshape(-1)
     rng = np.random.default_rng(7)
     block = n // (n // (16 if fmt == "nvfp4" else 32))
@@ -132,6 +129,6 @@ def test_direct_pairs_on_device(fmt, n, kw):
     for x, label in ((all_fp4_cases(fmt, n), "cases"), (lanes[: lanes.size // n * n].reshape(-1, n), "all bf16"),
                      (groups.reshape(-1, n), "every amax"), (big, "4099 rows"), (big[:3], "3 rows")):
         x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
-        for gpc in (128, 512):
-            _fp4_check(functools.partial(impl, groups_per_cta=gpc), x, fmt,
-                       f"pairs {kw} {gpc} {fmt} N={n} {label}", jnp.bfloat16)
+        for gpc in (128, None):  # None: the default, 1024 for nvfp4
+            _fp4_check(functools.partial(impl, groups_per_cta=gpc), x, fmt, f"pairs {gpc} {fmt} N={n} {label}",
+                       jnp.bfloat16)

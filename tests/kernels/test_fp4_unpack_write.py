@@ -214,3 +214,7 @@ def test_gpu_write_on_device(fmt, n):
                     assert_bits(g, w, f"{name} {(b, t, s)} {jnp.dtype(dtype).name} {rows_per_step}")
             for g, w, name in zip(mosaic.write(codes, scales, xd, index, fmt), want, ("codes", "scales"), strict=True):
                 assert_bits(g, w, f"mosaic {name} {(b, t, s)} {jnp.dtype(dtype).name}")
+            api_write = fp4_pack.write_nvfp4 if fmt == "nvfp4" else fp4_pack.write_mxfp4  # GPU: direct.write
+            for g, w, name in zip(api_write(codes, scales, xd, index, backend="pallas"), want, ("codes", "scales"),
+                                  strict=True):
+                assert_bits(g, w, f"api pallas {name} {(b, t, s)} {jnp.dtype(dtype).name}")

@@ -9,7 +9,7 @@ per thread) and scale bytes with plain vector stores. Latency is hidden by the m
 a software pipeline.
 
 Encodes (all bit-identical to ``quant``): for bf16 input ``pairs.encode`` (both lanes of a word per
-bf16x2 compare and add, inline PTX), which took the NVFP4 pack from 53% to 86% of the copy's rate on the
+bf16x2 compare and add, inline PTX), which took the NVFP4 pack from 53% to 87% of the copy's rate on the
 H200; for other dtypes ``mosaic._encode`` (fp32 threshold compares on the pre-split lanes).
 
 Views: input [M, P] int32 words (bf16 pairs; M = rows x groups, P = block / 2) or, for other input dtypes,

@@ -50,6 +50,17 @@ def summarize(kernels: list[dict], calls: int, top: int = 6) -> dict:
                           for e in ordered[len(ordered) - per_call:]] if per_call else []}
 
 
+def _profile(run, calls: int) -> dict | None:
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            run()
+        paths = glob.glob(os.path.join(d, "plugins", "profile", "*", "perfetto_trace.json.gz"))
+        if not paths:
+            return None
+        with gzip.open(sorted(paths)[-1], "rt") as f:
+            return summarize(stream_kernels(json.load(f)), calls)
+
+
 def device_time(fn, *args, calls: int = 20, warmup: int = 2) -> dict | None:
     """Profile ``calls`` back-to-back calls of ``fn(*args)``; :func:`summarize` of their kernels, or
     ``None`` off GPU."""
@@ -57,11 +68,21 @@ def device_time(fn, *args, calls: int = 20, warmup: int = 2) -> dict | None:
         return None
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            jax.block_until_ready([fn(*args) for _ in range(calls)])
-        paths = glob.glob(os.path.join(d, "plugins", "profile", "*", "perfetto_trace.json.gz"))
-        if not paths:
-            return None
-        with gzip.open(sorted(paths)[-1], "rt") as f:
-            return summarize(stream_kernels(json.load(f)), calls)
+    return _profile(lambda: jax.block_until_ready([fn(*args) for _ in range(calls)]), calls)
+
+
+def device_time_carry(fn, carry, *args, calls: int = 20, warmup: int = 2) -> dict | None:
+    """:func:`device_time` for ``carry = fn(carry, *args)`` with ``carry`` donated (an in-place update such
+    as a cache write: each call consumes the previous call's output, so no call copies the carry)."""
+    if jax.default_backend() != "gpu":
+        return None
+    for _ in range(warmup):
+        carry = jax.block_until_ready(fn(carry, *args))
+
+    def run():
+        c = carry
+        for _ in range(calls):
+            c = fn(c, *args)
+        jax.block_until_ready(c)
+
+    return _profile(run, calls)

@@ -13,11 +13,10 @@ default platform: Mosaic GPU on GPU (``direct.py`` for pack and write, ``mosaic.
 TPU on TPU, and the TPU kernel in interpret mode on CPU (slow; for tests). The switch is an argument, not
 config state: callers pass their own ``kernel_backend``.
 
-On GPU the cache write is the pack followed by XLA's scatter of the packed rows (a quarter of a bf16
-input's bytes), not one kernel. ``mosaic.py``'s TMA stores could not place 4-byte MXFP4 scale rows one by
-one; ``direct.py`` stores with plain vector stores and could write the slots itself, which is not built.
-The Triton kernels (``gpu.py``, a deprecated lowering) stay for comparison in ``bench.py``: the fused
-Triton write is the only one that scatters from inside the kernel.
+On GPU the cache write is one kernel (``direct.write``): each thread stores its group's codes and scale
+byte at the slot's address, and the caches are updated in place (jax >= 0.11; older jax packs, then
+scatters with XLA). The Triton kernels (``gpu.py``, a deprecated lowering) stay for comparison in
+``bench.py``.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ row tile overhangs R: TMA zero-fills its loads and drops its stores, except for 
 is padded to whole tiles (an overhanging 1-D piece wrote wrong scale bytes on the H200; padded, the 3- and
 4099-row MXFP4 cases are exact there).
 
-The module also holds ``unpack`` (the inverse, same streaming loop) and ``write`` (pack, then XLA's scatter
-of the packed rows), so that on GPU every cache-format op of ``api`` runs through Mosaic GPU.
+The module also holds ``unpack`` (the inverse, same streaming loop; the GPU default) and ``write`` (pack,
+then XLA's scatter of the packed rows; the GPU write is ``direct.write``, one kernel).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import pytest
 
 from dsv41_jax import quant
 from pallas_kernels import fp4_pack
-from pallas_kernels.fp4_pack import gpu, mosaic, reference, tpu
+from pallas_kernels.fp4_pack import direct, gpu, mosaic, reference, tpu
 
 UNPACK = {"nvfp4": quant.unpack_nvfp4, "mxfp4": quant.unpack_mxfp4}
 WRITE = {"nvfp4": reference.write_nvfp4, "mxfp4": reference.write_mxfp4}
@@ -200,6 +200,21 @@ def test_gpu_unpack_on_device(impl, fmt, n):
     assert_bits(fn(*big, backend="pallas"), UNPACK[fmt](*big))
 
 
+@pytest.mark.skipif(not direct.FUSED_WRITE, reason="the fused GPU write updates its caches in place through "
+                    "kernel refs, which need jax >= 0.11 (older jax packs, then scatters)")
+@pytest.mark.parametrize("fmt,n,dtype", [("nvfp4", 512, jnp.bfloat16), ("mxfp4", 128, jnp.bfloat16),
+                                         ("nvfp4", 512, jnp.float32)])
+def test_fused_write_lowers_in_place(fmt, n, dtype):
+    """The fused GPU write lowers for a cuda target as one Mosaic GPU kernel whose caches alias its outputs."""
+    g = n // BLOCK[fmt]
+    sd = jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.uint8
+    args = (jax.ShapeDtypeStruct((3, 300, n // 2), jnp.uint8), jax.ShapeDtypeStruct((3, 300, g), sd),
+            jax.ShapeDtypeStruct((3, 77, n), dtype), jax.ShapeDtypeStruct((3, 77), jnp.int32))
+    text = jax.jit(functools.partial(direct.write, fmt=fmt), donate_argnums=(0, 1)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "output_operand_alias" in text
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128)])
 def test_gpu_write_on_device(fmt, n):
@@ -218,3 +233,6 @@ def test_gpu_write_on_device(fmt, n):
             for g, w, name in zip(api_write(codes, scales, xd, index, backend="pallas"), want, ("codes", "scales"),
                                   strict=True):
                 assert_bits(g, w, f"api pallas {name} {(b, t, s)} {jnp.dtype(dtype).name}")
+            for g, w, name in zip(direct.write(codes, scales, xd, index, fmt, groups_per_cta=128), want,
+                                  ("codes", "scales"), strict=True):  # more CTAs, a shorter tail
+                assert_bits(g, w, f"direct 128 {name} {(b, t, s)} {jnp.dtype(dtype).name}")

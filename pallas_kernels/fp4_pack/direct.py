@@ -102,6 +102,25 @@ def default_groups_per_cta(fmt: str, encode: str) -> int:
     return 1024 if (fmt, encode) == ("nvfp4", "pairs") else 256
 
 
+def _prepare(x, fmt: str, encode: str, groups_per_cta: int | None):
+    """Checked settings and the kernel's input: (encode, groups a CTA, input words [M, P] or [M, 2, P],
+    pre-split?)."""
+    if encode not in DIRECT_ENCODES:
+        raise ValueError(f"fp4_pack direct: encode must be one of {DIRECT_ENCODES}, got {encode!r}")
+    if encode == "auto":
+        encode = "pairs" if x.dtype == jnp.bfloat16 else "compare"
+    tg = default_groups_per_cta(fmt, encode) if groups_per_cta is None else groups_per_cta
+    if tg % CHUNK or tg <= 0:
+        raise ValueError(f"fp4_pack direct: groups_per_cta ({tg}) must be a positive multiple of {CHUNK}")
+    block = layout.FORMATS[fmt]
+    xin, split = _to_kernel_input(x, block)
+    if encode in ("swar", "pairs") and split:
+        raise ValueError(f"fp4_pack direct: encode={encode!r} needs bf16 input (two lanes per 32-bit word), "
+                         f"got {x.dtype}")
+    m, p = x.size // block, block // 2
+    return encode, tg, (xin.reshape(m, 2, p) if split else xin.reshape(m, p)), split
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "groups_per_cta", "encode", "interpret"))
 def pack(x, fmt: str, *, groups_per_cta: int | None = None, encode: str = "auto", interpret: bool = False):
     """[..., N] f32/bf16 -> the ``quant.pack_<fmt>`` outputs, bit for bit. ``groups_per_cta`` (a multiple
@@ -112,23 +131,11 @@ def pack(x, fmt: str, *, groups_per_cta: int | None = None, encode: str = "auto"
     block, lead, n = layout.FORMATS[fmt], x.shape[:-1], x.shape[-1]
     if n % block:
         raise ValueError(f"fp4_pack: the last axis ({n}) must be a multiple of the group size ({block})")
-    if encode not in DIRECT_ENCODES:
-        raise ValueError(f"fp4_pack direct: encode must be one of {DIRECT_ENCODES}, got {encode!r}")
-    if encode == "auto":
-        encode = "pairs" if x.dtype == jnp.bfloat16 else "compare"
-    if groups_per_cta is None:
-        groups_per_cta = default_groups_per_cta(fmt, encode)
-    if groups_per_cta % CHUNK or groups_per_cta <= 0:
-        raise ValueError(f"fp4_pack direct: groups_per_cta ({groups_per_cta}) must be a positive multiple of {CHUNK}")
     r, p = math.prod(lead), block // 2
     if r == 0:
         return layout.empty(lead, n, block, fmt)
     m = r * (n // block)
-    xin, split = _to_kernel_input(x, block)
-    if encode in ("swar", "pairs") and split:
-        raise ValueError(f"fp4_pack direct: encode={encode!r} needs bf16 input (two lanes per 32-bit word), "
-                         f"got {x.dtype}")
-    xin = xin.reshape(m, 2, p) if split else xin.reshape(m, p)
+    encode, groups_per_cta, xin, split = _prepare(x, fmt, encode, groups_per_cta)
     full = m // groups_per_cta
     codes = jnp.zeros((m, p), jnp.uint8)
     scales = jnp.zeros((m,), jnp.uint8)
@@ -228,24 +235,13 @@ def write(codes_cache, scales_cache, x, index, fmt: str, *, groups_per_cta: int 
         raise ValueError(f"fp4_pack direct write ({fmt}): caches {codes_cache.shape} / {scales_cache.shape}, rows "
                          f"{x.shape} and index {index.shape} do not fit [B, T, N/2] / [B, T, N/{block}], [B, S, N], "
                          "[B, S]")
-    if encode == "auto":
-        encode = "pairs" if x.dtype == jnp.bfloat16 else "compare"
-    if encode not in DIRECT_ENCODES[1:]:
-        raise ValueError(f"fp4_pack direct: encode must be one of {DIRECT_ENCODES}, got {encode!r}")
-    tg = default_groups_per_cta(fmt, encode) if groups_per_cta is None else groups_per_cta
-    if tg % CHUNK or tg <= 0:
-        raise ValueError(f"fp4_pack direct: groups_per_cta ({tg}) must be a positive multiple of {CHUNK}")
     m = b * s * g
+    if m == 0:
+        return codes_cache, scales_cache
+    encode, tg, xin, split = _prepare(x, fmt, encode, groups_per_cta)
     slots = layout.cache_slots(index, t).reshape(-1)
     codes = codes_cache.reshape(b * t * g, p)
     scales = layout.as_bytes(scales_cache).reshape(b * t * g)
-    if m == 0:
-        return codes_cache, scales_cache
-    xin, split = _to_kernel_input(x, block)
-    if encode in ("swar", "pairs") and split:
-        raise ValueError(f"fp4_pack direct: encode={encode!r} needs bf16 input (two lanes per 32-bit word), "
-                         f"got {x.dtype}")
-    xin = xin.reshape(m, 2, p) if split else xin.reshape(m, p)
     full = m // tg
     if full:
         kernel = plgpu.kernel(_write_body(fmt, p, split, tg, encode, g, s, t), out_type=(), grid=(full,),

@@ -92,7 +92,6 @@ def bench_write(dtype, iters: int) -> None:
 
         want = None
         for backend, impl in impls:
-
             f = jax.jit(lambda c, x, i, impl=impl: impl(*c, x, i), donate_argnums=0)
             got = jax.tree.map(np.asarray, f(caches(), x, index))
             want = got if want is None else want  # the first impl is XLA's

@@ -48,7 +48,6 @@ _ABS2 = 0x7FFF7FFF  # |x| of both lanes
 _MU16 = [int(np.asarray(mu, np.float32).view(np.uint32)) >> 16 for mu in thresholds.MIDPOINTS]  # exact in bf16
 _TINY16 = 0x0080  # 2^-126 in bf16
 _BIAS2 = 0x43004300  # 128.0 in both halves
-_SIGNS = 0x00080008  # the sign bits after the shift by 12: bit 3 (low lane) and bit 19 (high lane)
 WORDS = 4  # words per vector register of the rows layout, and per code word
 
 
@@ -128,14 +127,14 @@ def encode_model(fmt: str, words, bcast):
 # ------------------------------------------------------------------------------------------------
 # PTX (compiled path)
 
-_AMAX_PTX = """{
+_AMAX_PTX = f"""{{
 .reg .b32 m, a;
-and.b32 m, $1, 0x7FFF7FFF;
-and.b32 a, $2, 0x7FFF7FFF; max.bf16x2 m, m, a;
-and.b32 a, $3, 0x7FFF7FFF; max.bf16x2 m, m, a;
-and.b32 a, $4, 0x7FFF7FFF; max.bf16x2 m, m, a;
+and.b32 m, $1, {_ABS2:#x};
+and.b32 a, $2, {_ABS2:#x}; max.bf16x2 m, m, a;
+and.b32 a, $3, {_ABS2:#x}; max.bf16x2 m, m, a;
+and.b32 a, $4, {_ABS2:#x}; max.bf16x2 m, m, a;
 shl.b32 a, m, 16; and.b32 m, m, 0xFFFF0000; max.f32 $0, a, m;
-}"""  # the max |x| of 4 words as fp32 bits (each lane's bf16 widened: exact)
+}}"""  # the max |x| of 4 words as fp32 bits (each lane's bf16 widened: exact)
 _DIV6_PTX = "{\n.reg .b32 a;\nmax.f32 a, $1, 0f3C400000;\ndiv.rn.f32 $0, a, 0f40C00000;\n}"  # max(amax, 6 2^-9) / 6
 _SELECT = 0xE4  # lop3 table of (c ? a : b)
 
@@ -176,7 +175,8 @@ def _words_of(arr):
     out = []
     for reg in arr.registers.flat:
         if ir.VectorType(reg.type).shape != [WORDS]:
-            raise NotImplementedError(f"fp4_pack pairs: expected vectors of {WORDS} words, got {reg.type}")
+            raise ValueError(f"fp4_pack pairs: the words must be in mosaic.rows_layout (vectors of {WORDS} words a "
+                             f"register), got registers of {reg.type}")
         out.append([llvm.extractelement(reg, mu.c(j, i32)) for j in range(WORDS)])
     return out
 

@@ -124,9 +124,10 @@ def test_engine_backends_agree_on_device(models):
 def test_engine_backends_agree_on_device_bf16(tiny8_cfg):
     """The same in bf16 activations, where the cache writes take the bf16 (pairs) pack. The two programs'
     roundings around the kernels differ at bf16's precision here, and a flipped FP4 code moves a logit by
-    a quantum of the format, so the bound is the bf16 recipe's (median row-relative difference 1e-2). On the H200
-    (2026-12-02): with the pack, then XLA's scatter, median 0, largest 1.9e-3, >= 99.2% of each cache's bytes
-    equal; with the fused write, median 3.1e-3, largest 7.1e-3, >= 90.6% equal."""
+    a quantum of the format. The bound (median row-relative difference < 1e-2, a few bf16 ulps; largest < 5e-2)
+    is chosen above what the H200 gave (2026-12-02): with the pack, then XLA's scatter, median 0, largest
+    1.9e-3, >= 99.2% of each cache's bytes equal; with the fused write, median 3.1e-3, largest 7.1e-3, >= 90.6%
+    equal."""
     cfg = tiny8_cfg.replace(dtype="bfloat16")
     xla = Transformer(cfg, rngs=nnx.Rngs(0))
     pcfg = cfg.replace(attention=dataclasses.replace(cfg.attention, kernel_backend="pallas"))

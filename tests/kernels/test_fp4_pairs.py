@@ -121,7 +121,7 @@ def test_direct_pairs_on_device(fmt, n):
     impl = functools.partial(direct.pack, encode="pairs")
     lanes = np.asarray(lax.bitcast_convert_type(jnp.asarray(WORDS), jnp.bfloat16).astype(jnp.float32)).reshape(-1)
     rng = np.random.default_rng(7)
-    block = n // (n // (16 if fmt == "nvfp4" else 32))
+    block = {"nvfp4": 16, "mxfp4": 32}[fmt]
     amax = np.abs(lanes)[: lanes.size // (n // block) * (n // block)]
     groups = amax[:, None] * rng.uniform(-1, 1, (amax.size, block)).astype(np.float32)
     groups[np.arange(amax.size), rng.integers(0, block, amax.size)] = amax * rng.choice([-1, 1], amax.size)

@@ -375,3 +375,35 @@ def test_configs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.dim = 3  # type: ignore[misc]
     assert hash(cfg) == hash(copy.deepcopy(cfg))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the strict-construction helpers the run configs (train, optim, posttrain) build on
+
+
+@dataclasses.dataclass(frozen=True)
+class _Section:
+    lr: float = 1.0
+    steps: int = 1
+    sub: C.CacheQuant = dataclasses.field(default_factory=C.CacheQuant)
+
+
+def test_build_dataclass_names_prefixed_key_and_file():
+    base = _Section()
+    built = C.build_dataclass(_Section, {"lr": 2, "sub": {"swa": False}}, base, "run.", "r.yaml")
+    assert built == _Section(lr=2.0, sub=C.CacheQuant(swa=False)) and isinstance(built.lr, float)
+    for data, key in [({"stpes": 3}, "run.stpes"), ({"steps": True}, "run.steps"), ({"sub": {"x": 1}}, "run.sub.x"),
+                      ({"sub": 5}, "run.sub")]:
+        with pytest.raises(C.ConfigError, match=rf"^r\.yaml: .*'?{re.escape(key)}"):
+            C.build_dataclass(_Section, data, base, "run.", "r.yaml")
+
+
+def test_fail_and_check_type():
+    with pytest.raises(C.ConfigError, match=r"^f\.yaml: bad$"):
+        C.fail("bad", "f.yaml")
+    with pytest.raises(C.ConfigError, match=r"^bad$"):
+        C.fail("bad")
+    assert C.check_type([1, 2], tuple[int, ...], "k", None) == (1, 2)
+    assert C.check_type(None, float | None, "k", None) is None
+    with pytest.raises(C.ConfigError, match="key 'k' must be a number"):
+        C.check_type(True, float, "k", None)

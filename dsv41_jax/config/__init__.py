@@ -1,8 +1,26 @@
-"""Model configuration (being split into schema, loaders and presets)."""
+"""Model configuration: frozen dataclasses (:mod:`.schema`), strict YAML and HF ``config.json`` loaders
+(:mod:`.loaders`) and named presets (:mod:`.presets`).
 
-from dsv41_jax.config.schema import (  # noqa: F401
+``from_dict`` / ``load_yaml`` read our nested format (``preset: name`` picks the base the other keys
+override); ``from_hf`` / ``to_hf_json`` read and write the release's ``config.json``. ``fail``,
+``check_type`` and ``build_dataclass`` are the strict-construction helpers the run configs (train, optim,
+posttrain) build on, so that every config error names its key and file the same way.
+"""
+
+from dsv41_jax.config.loaders import (
+    build_dataclass,
+    check_type,
+    from_dict,
+    from_hf,
+    load_yaml,
+    read_yaml,
+    to_dict,
+    to_hf,
+    to_hf_json,
+)
+from dsv41_jax.config.presets import PRESETS, get_preset, tiny, v41_flash
+from dsv41_jax.config.schema import (
     KERNEL_BACKENDS,
-    PRESETS,
     AttentionConfig,
     CacheQuant,
     ConfigError,
@@ -12,18 +30,13 @@ from dsv41_jax.config.schema import (  # noqa: F401
     ModelConfig,
     MoEConfig,
     VisionConfig,
-    _build,
-    _check_type,
-    _fail,
-    from_dict,
-    from_hf,
-    get_preset,
-    load_yaml,
-    read_yaml,
-    tiny,
-    to_dict,
-    to_hf,
-    to_hf_json,
-    v41_flash,
+    fail,
     validate,
 )
+
+__all__ = [
+    "KERNEL_BACKENDS", "PRESETS", "AttentionConfig", "CacheQuant", "ConfigError", "DSparkConfig",
+    "EngramConfig", "MHCConfig", "ModelConfig", "MoEConfig", "VisionConfig", "build_dataclass", "check_type",
+    "fail", "from_dict", "from_hf", "get_preset", "load_yaml", "read_yaml", "tiny", "to_dict", "to_hf",
+    "to_hf_json", "v41_flash", "validate",
+]

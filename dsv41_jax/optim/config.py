@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv41_jax.config import ConfigError, _build, read_yaml
+from dsv41_jax.config import ConfigError, build_dataclass, read_yaml
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def from_dict(data: dict, source: str | None = None) -> OptimConfig:
         raise ConfigError(f"{source or '<dict>'}: optimizer config keys must be strings, got "
                           f"{[k for k in data if not isinstance(k, str)]}")
     try:
-        return _build(OptimConfig, data, OptimConfig(), "", source)
+        return build_dataclass(OptimConfig, data, OptimConfig(), "", source)
     except ConfigError as err:
         if source and not str(err).startswith(f"{source}:"):
             raise ConfigError(f"{source}: {err}") from None

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv41_jax.config import _build, _fail
+from dsv41_jax.config import build_dataclass as _build
+from dsv41_jax.config import fail as _fail
 
 
 @dataclass(frozen=True)

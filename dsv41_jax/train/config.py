@@ -16,7 +16,9 @@ from typing import Any
 import yaml
 
 from dsv41_jax import config as C
-from dsv41_jax.config import ConfigError, _build, _fail, read_yaml
+from dsv41_jax.config import ConfigError, read_yaml
+from dsv41_jax.config import build_dataclass as _build
+from dsv41_jax.config import fail as _fail
 from dsv41_jax.optim import OptimConfig
 from dsv41_jax.optim import from_dict as optim_from_dict
 from dsv41_jax.posttrain.config import PosttrainConfig
@@ -172,7 +174,7 @@ def from_dict(data: dict, source: str | None = None) -> TrainConfig:
         changes["posttrain"] = posttrain_from_dict(data["posttrain"], source)
     for key, tp in _SCALARS.items():
         if key in data:
-            changes[key] = C._check_type(data[key], tp, key, source)
+            changes[key] = C.check_type(data[key], tp, key, source)
     cfg = dataclasses.replace(base, **changes)
     validate(cfg, source)
     return cfg

@@ -1,4 +1,6 @@
 """Pallas kernels, one folder per op (tokamax layout): ``reference`` (the XLA path the model uses),
-``tpu`` (Mosaic TPU; interpret mode on CPU), ``gpu``, ``api`` (picks by ``backend`` and platform) and
-``bench`` (JSON lines against the copy-bandwidth floor of notes/PLATFORM.md).
+``tpu`` (Mosaic TPU; interpret mode on CPU), the Mosaic GPU kernels (``mosaic`` and the op's other GPU
+modules; interpret mode on CPU), ``api`` (picks by ``backend`` and platform) and ``bench`` (JSON lines
+against the copy-bandwidth floor of notes/PLATFORM.md). ``mosaic_stream`` holds what the Mosaic GPU
+kernels of every op share.
 """

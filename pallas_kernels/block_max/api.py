@@ -4,8 +4,8 @@ function with the model's ``kernel_backend``.
 
 The pass over the scores [B, S, T] is the kernel; ``lax.top_k`` over the [B, S, T / block_size] maxima
 stays in XLA (no Pallas lowering of top_k on GPU). ``backend="xla"`` is the reference;
-``backend="pallas"`` picks Mosaic GPU on GPU (``mosaic.py``; the Triton kernel ``gpu.py`` is kept for
-comparison in ``bench.py``), Mosaic TPU on TPU, and the TPU kernel in interpret mode on CPU (for tests).
+``backend="pallas"`` picks Mosaic GPU on GPU (``mosaic.py``), Mosaic TPU on TPU (``tpu.py``), and the
+TPU kernel in interpret mode on CPU (for tests).
 """
 
 from __future__ import annotations

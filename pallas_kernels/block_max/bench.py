@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.bench_variants import measure
-from pallas_kernels.block_max import api, gpu, radix_cluster, radix_mosaic, select
+from pallas_kernels.block_max import api, radix_cluster, radix_mosaic, select
 
 BLOCK, TOPK = 8, 2048  # candidate_block_size, candidate_topk_blocks of the release (spec attention §6)
 # (B, S, T): prefill-like 8 queries over 1M positions; decode batches of one query each
@@ -27,12 +27,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--shapes", default="", help="comma-separated indices into SHAPES (default: all)")
-    p.add_argument("--impls", default="", help="comma-separated block-max impls: xla, pallas, triton (default: all)")
+    p.add_argument("--impls", default="", help="comma-separated block-max impls: xla, pallas (default: all)")
     args = p.parse_args()
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
     impls = {b: functools.partial(api.block_max, backend=b) for b in api.BACKENDS}  # pallas: Mosaic GPU on GPU
-    if jax.default_backend() == "gpu":
-        impls["triton"] = gpu.block_max
     if args.impls:
         impls = {name: impls[name] for name in args.impls.split(",")}
     for b, s, t in shapes:

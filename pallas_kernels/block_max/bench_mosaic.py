@@ -1,6 +1,6 @@
-"""block_max timings at the bench.py shapes: XLA reference, the Triton kernel (gpu.py), a device copy of
-the scores and Mosaic GPU variants (mosaic.py), alone and followed by the XLA top_k of
-``api.candidate_block_ids``; one JSON line each.
+"""block_max timings at the bench.py shapes: XLA reference, a device copy of the scores and Mosaic GPU
+variants (mosaic.py), alone and followed by the XLA top_k of ``api.candidate_block_ids``; one JSON line
+each.
 
 Run on the device: ``python -m pallas_kernels.block_max.bench_mosaic [--variant k=v,k=v ...]``, as
 fp4_pack.bench_mosaic (``exact`` compares with the XLA result; failures print an ``error`` line).
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.bench_variants import header, measure, parse_variant
-from pallas_kernels.block_max import api, gpu, mosaic, reference
+from pallas_kernels.block_max import api, mosaic, reference
 from pallas_kernels.block_max.bench import BLOCK, SHAPES, TOPK
 
 DEFAULT_VARIANTS = [
@@ -36,7 +36,6 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--variant", action="append", help="mosaic.block_max kwargs, e.g. positions_per_step=4096")
-    p.add_argument("--skip-triton", action="store_true")
     args = p.parse_args()
     variants = args.variant or DEFAULT_VARIANTS
     header(variants)
@@ -47,8 +46,6 @@ def main() -> None:
         run = functools.partial(measure, "block_max", args=(scores, n), shape=(b, s, t),
                                 nbytes=scores.size * 4 + scores.size // BLOCK * 4, ops=scores.size, iters=args.iters)
         impls = [("xla", functools.partial(reference.block_max, block_size=BLOCK), {})]
-        if not args.skip_triton:
-            impls.append(("triton", functools.partial(gpu.block_max, block_size=BLOCK), {}))
         impls += [("mosaic", functools.partial(mosaic.block_max, block_size=BLOCK, **parse_variant(spec)),
                    {"variant": spec or "default"}) for spec in variants]
         want = want_ids = None

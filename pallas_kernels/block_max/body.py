@@ -1,4 +1,5 @@
-"""The block-max tile computation shared by the TPU and GPU kernels (spec attention §6.1 steps 1-2)."""
+"""The block-max tile computation of the TPU kernel, ``tpu.py`` (spec attention §6.1 steps 1-2); the
+Mosaic GPU kernel (``mosaic.py``) computes the same maxima on its register layout."""
 
 from __future__ import annotations
 

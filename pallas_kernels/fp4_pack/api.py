@@ -15,8 +15,8 @@ config state: callers pass their own ``kernel_backend``.
 
 On GPU the cache write is one kernel (``direct.write``): each thread stores its group's codes and scale
 byte at the slot's address, and the caches are updated in place (jax >= 0.11; older jax packs, then
-scatters with XLA). The Triton kernels (``gpu.py``, a deprecated lowering) stay for comparison in
-``bench.py``.
+scatters with XLA). ``mosaic.pack`` (the TMA-loop pack) and ``mosaic.write`` stay as variants that
+``bench_mosaic.py`` times.
 """
 
 from __future__ import annotations

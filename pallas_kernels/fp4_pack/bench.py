@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import benchutil, devtime
-from pallas_kernels.fp4_pack import api, direct, gpu, layout, reference
+from pallas_kernels.fp4_pack import api, direct, layout, reference
 
 # (format, rows, lanes): main-KV writes from 4K to 128K entries x 512; index keys x 128
 SHAPES = [("nvfp4", r, 512) for r in (4096, 16384, 131072)] + [("mxfp4", r, 128) for r in (4096, 131072)]
@@ -34,15 +34,9 @@ DECODE_OPS_PER_ELEMENT = 12  # bit assembly of value and scale, one multiply
 
 
 def _impls(op: str, fmt: str):
-    """(name, function) pairs with the api's signature: XLA, the api's kernel ("pallas": Mosaic GPU on GPU)
-    and on GPU the Triton kernel."""
-    out = [(b, functools.partial(getattr(api, f"{op}_{fmt}"), backend=b)) for b in api.BACKENDS]
-    if jax.default_backend() == "gpu":
-        triton = {"pack": lambda x: gpu.pack(x, fmt),
-                  "unpack": lambda c, s, dtype: gpu.unpack(c, s, fmt, dtype),
-                  "write": lambda cc, sc, x, i: gpu.write(cc, sc, x, i, fmt)}
-        out.append(("triton", triton[op]))
-    return out
+    """(name, function) pairs with the api's signature: XLA and the api's kernel ("pallas": Mosaic GPU on
+    GPU)."""
+    return [(b, functools.partial(getattr(api, f"{op}_{fmt}"), backend=b)) for b in api.BACKENDS]
 
 
 def _packed_bytes(fmt: str, elements: int) -> int:

@@ -1,5 +1,5 @@
-"""fp4_pack timings at the bench.py shapes: XLA reference, the Triton kernel (gpu.py), a device copy of
-the input (its own bytes: the copy ceiling at this size) and Mosaic GPU variants (mosaic.py), one JSON
+"""fp4_pack timings at the bench.py shapes: XLA reference, a device copy of the input (its own bytes: the
+copy ceiling at this size) and Mosaic GPU variants (mosaic.py, and direct.py with ``--direct``), one JSON
 line each.
 
 Run on the device: ``python -m pallas_kernels.fp4_pack.bench_mosaic [--variant k=v,k=v ...]``. Each
@@ -21,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_stream as ms
 from pallas_kernels.bench_variants import header, measure, parse_variant
-from pallas_kernels.fp4_pack import direct, gpu, layout, mosaic, reference
+from pallas_kernels.fp4_pack import direct, layout, mosaic, reference
 from pallas_kernels.fp4_pack.bench import OPS_PER_ELEMENT, SHAPES
 
 DEFAULT_VARIANTS = [  # against the default (16 KB tiles, 2 stages, 3 CTAs/SM, 256-group passes, no auto barriers)
@@ -109,7 +109,6 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--variant", action="append", help="mosaic.pack kwargs, e.g. rows_per_step=16,stages=2")
     p.add_argument("--shapes", default="", help="comma-separated indices into bench.SHAPES (default: all)")
-    p.add_argument("--skip-triton", action="store_true")
     p.add_argument("--stream-copy", action="append", help="time stream_copy with these kwargs (bf16 only)")
     p.add_argument("--direct", action="append", help="time direct.pack with these kwargs (e.g. groups_per_cta=512)")
     p.add_argument("--direct-probe", action="append", help="time direct_probe with these kwargs (bf16 only)")
@@ -124,8 +123,6 @@ def main() -> None:
                                 ops=OPS_PER_ELEMENT * x.size, iters=args.iters, fmt=fmt, dtype=args.dtype)
         want = run("xla", _REF[fmt])
         run("xla_copy", lambda v: v * 1, nbytes=2 * x.size * x.dtype.itemsize)
-        if not args.skip_triton:
-            run("triton", functools.partial(gpu.pack, fmt=fmt), want=want)
         if args.stream_copy and x.dtype == jnp.bfloat16:
             for spec in args.stream_copy:
                 run("mosaic_stream_copy", functools.partial(stream_copy, fmt=fmt, **parse_variant(spec)),

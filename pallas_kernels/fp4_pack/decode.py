@@ -1,4 +1,5 @@
-"""Integer-arithmetic FP4 decoding shared by the TPU and GPU unpack kernels (spec attention §7.2-7.4).
+"""Integer-arithmetic FP4 decoding shared by the TPU and Mosaic GPU unpack kernels (``tpu``, ``mosaic``;
+spec attention §7.2-7.4).
 
 The inverse of ``encode``: codes and scale bytes become fp32 by building the bit patterns, never through
 a table gather (no Pallas lowering of a gather from a constant on GPU) or an fp8 cast (Mosaic GPU has

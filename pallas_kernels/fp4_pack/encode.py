@@ -1,4 +1,5 @@
-"""Integer-arithmetic FP4 encoding shared by the TPU and GPU kernel bodies (spec attention §7.2-7.4).
+"""Integer-arithmetic FP4 encoding of the TPU kernel body and of the per-group scales of the Mosaic GPU
+encodes (``thresholds``; spec attention §7.2-7.4).
 
 Every step is exact: integer ops on fp32 bit patterns, products by powers of two built from exponent
 bits, and small-integer-to-float conversions. No float divide (XLA:GPU's is not correctly rounded and
@@ -70,7 +71,7 @@ def div_rn_by_short(x, d):
     mag = (kept + up.astype(jnp.int32)).astype(jnp.float32) * _pow2(jnp.clip(ex - ed - 26 + shift, -126, 127))
     mag = jnp.where(ex == 0, 0.0, mag)  # zero and flushed subnormals
     # the sign bit of x is ORed in (not ``where(x < 0, -mag, mag)``): a negative x whose quotient rounds to
-    # zero must give -0, and Triton folds the negation of a zero away
+    # zero must give -0, and a compiler may fold the negation of a zero away
     return lax.bitcast_convert_type(_bits(mag) | ((xb >> 31) << 31), jnp.float32)
 
 

@@ -1,21 +1,21 @@
 """fp4_pack kernels == dsv41_jax.quant.pack_nvfp4 / pack_mxfp4, byte for byte (spec attention §7.2-7.4).
 
-Every implementation runs the same cases: the TPU kernel and the GPU (Triton) kernel body in interpret
-mode on CPU, the public API, and (marked gpu) the compiled GPU kernel on the device.
+Every implementation runs the same cases: the TPU kernel body in interpret mode on CPU, the public API,
+and (marked gpu) the API's compiled GPU kernel (``direct.pack``) on the device. The Mosaic GPU kernels'
+own cases (interpreted, lowered and on the device) are in test_mosaic_gpu.py.
 """
 
 from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dsv41_jax import quant
 from pallas_kernels import fp4_pack
-from pallas_kernels.fp4_pack import gpu, tpu
+from pallas_kernels.fp4_pack import tpu
 
 REFERENCE = {"nvfp4": quant.pack_nvfp4, "mxfp4": quant.pack_mxfp4}
 TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 0.0])  # E2M1 midpoints + grid
@@ -69,7 +69,6 @@ def _all_cases(fmt: str, n: int) -> np.ndarray:
 
 IMPLS = {
     "tpu_interpret": functools.partial(tpu.pack, rows_per_step=32, interpret=True),
-    "gpu_interpret": functools.partial(gpu.pack, rows_per_step=32, interpret=True),
 }
 
 
@@ -100,28 +99,17 @@ def test_api_backends_agree():
         fp4_pack.pack_nvfp4(x, backend="triton")
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_gpu_kernel_lowers_to_triton(fmt):
-    """The Pallas -> Triton IR lowering runs without a device; PTX compilation is left to the gpu test."""
-    x = jax.ShapeDtypeStruct((300, 512), jnp.bfloat16)
-    text = jax.jit(functools.partial(gpu.pack, fmt=fmt)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128)])
-def test_gpu_kernel_on_device(fmt, n):
+def test_api_pallas_on_device(fmt, n):
+    """The api's GPU pack (``direct.pack``) on every case in both dtypes, and on rows past its last whole CTA."""
+    pack = fp4_pack.pack_nvfp4 if fmt == "nvfp4" else fp4_pack.pack_mxfp4
     for name, x in _cases(fmt, n):
         for dtype in (jnp.float32, jnp.bfloat16):
             xj = jnp.asarray(x, dtype)
             try:
-                assert_same(gpu.pack(xj, fmt), REFERENCE[fmt](xj))
+                assert_same(pack(xj, backend="pallas"), REFERENCE[fmt](xj))
             except AssertionError as e:
                 raise AssertionError(f"case {name}, {jnp.dtype(dtype).name}") from e
-    for rows_per_step in (1, 4, 64):  # other tilings of the same rows
-        xj = jnp.asarray(_all_cases(fmt, n))
-        assert_same(gpu.pack(xj, fmt, rows_per_step=rows_per_step), REFERENCE[fmt](xj))
-    big = jnp.asarray(np.random.default_rng(3).standard_normal((4099, n)), jnp.bfloat16)  # ragged last tile
-    assert_same(gpu.pack(big, fmt), REFERENCE[fmt](big))
-    assert_same(fp4_pack.pack_nvfp4(big, backend="pallas") if fmt == "nvfp4" else fp4_pack.pack_mxfp4(
-        big, backend="pallas"), REFERENCE[fmt](big))
+    big = jnp.asarray(np.random.default_rng(3).standard_normal((4099, n)), jnp.bfloat16)  # a ragged tail
+    assert_same(pack(big, backend="pallas"), REFERENCE[fmt](big))

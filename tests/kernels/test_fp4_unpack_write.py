@@ -18,7 +18,7 @@ import pytest
 
 from dsv41_jax import quant
 from pallas_kernels import fp4_pack
-from pallas_kernels.fp4_pack import direct, gpu, mosaic, reference, tpu
+from pallas_kernels.fp4_pack import direct, mosaic, reference, tpu
 
 UNPACK = {"nvfp4": quant.unpack_nvfp4, "mxfp4": quant.unpack_mxfp4}
 WRITE = {"nvfp4": reference.write_nvfp4, "mxfp4": reference.write_mxfp4}
@@ -27,12 +27,10 @@ SCALE_DTYPE = {"nvfp4": jnp.float8_e4m3fn, "mxfp4": jnp.uint8}
 
 UNPACK_IMPLS = {
     "tpu_interpret": functools.partial(tpu.unpack, rows_per_step=32, interpret=True),
-    "gpu_interpret": functools.partial(gpu.unpack, rows_per_step=32, interpret=True),
     "mosaic_interpret": functools.partial(mosaic.unpack, interpret=True),
 }
 WRITE_IMPLS = {
     "tpu_interpret": functools.partial(tpu.write, rows_per_step=4, interpret=True),
-    "gpu_interpret": functools.partial(gpu.write, rows_per_step=4, interpret=True),
     "mosaic_interpret": functools.partial(mosaic.write, interpret=True),
 }
 
@@ -150,21 +148,6 @@ def test_write_api_backends_agree_and_empty_chunk():
                 assert_bits(g, w, f"{fmt} empty chunk")
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_gpu_kernels_lower_to_triton(fmt):
-    """Pallas -> Triton IR for unpack and the aliased write, without a device (PTX is the gpu tests' job)."""
-    g, sd = 512 // BLOCK[fmt], SCALE_DTYPE[fmt]
-    sds = jax.ShapeDtypeStruct
-    for dtype in (jnp.float32, jnp.bfloat16):
-        text = jax.jit(functools.partial(gpu.unpack, fmt=fmt, dtype=dtype)).trace(
-            sds((3, 7, 11, 256), jnp.uint8), sds((3, 7, 11, g), sd)).lower(lowering_platforms=("cuda",)).as_text()
-        assert "triton" in text
-    text = jax.jit(functools.partial(gpu.write, fmt=fmt)).trace(
-        sds((3, 100, 256), jnp.uint8), sds((3, 100, g), sd), sds((3, 9, 512), jnp.bfloat16), sds((3, 9), jnp.int32)
-    ).lower(lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text and "output_operand_alias" in text  # the caches are updated in place
-
-
 def test_tpu_kernels_lower_to_mosaic():
     """Pallas -> Mosaic TPU lowering (block shapes, scalar prefetch, DMAs) without a TPU; untested on hardware."""
     sds = jax.ShapeDtypeStruct
@@ -177,19 +160,16 @@ def test_tpu_kernels_lower_to_mosaic():
             assert "tpu_custom_call" in text
 
 
-GPU_UNPACK = {"triton": (gpu.unpack, (1, 16, 64)), "mosaic": (mosaic.unpack, (None, 1, 4))}  # mosaic: x 128 groups
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", sorted(GPU_UNPACK))
 @pytest.mark.parametrize("fmt,n", [("nvfp4", 512), ("mxfp4", 128), ("nvfp4", 1024)])
-def test_gpu_unpack_on_device(impl, fmt, n):
-    fn, tilings = GPU_UNPACK[impl]
+def test_gpu_unpack_on_device(fmt, n):
+    """The GPU unpack (``mosaic.unpack``, the api's) at its default tile and at 128 and 512 groups a tile."""
+    fn = mosaic.unpack
     codes, scales = _every_pair(fmt, n)
     big = _random_codes(fmt, (4099, n), 3)  # ragged last tile
     for dtype in (jnp.float32, jnp.bfloat16):
-        for rows_per_step in tilings:
-            if impl == "mosaic" and rows_per_step:  # whole multiples of 128 groups per tile
+        for rows_per_step in (None, 1, 4):
+            if rows_per_step:  # whole multiples of 128 groups per tile
                 rows_per_step *= 128 // math.gcd(128, n // BLOCK[fmt])
             assert_bits(fn(codes, scales, fmt, dtype, rows_per_step=rows_per_step),
                         UNPACK[fmt](codes, scales, dtype), f"every pair, {jnp.dtype(dtype).name}, {rows_per_step}")
@@ -223,10 +203,6 @@ def test_gpu_write_on_device(fmt, n):
         for dtype in (jnp.float32, jnp.bfloat16):
             xd = x.astype(dtype)
             want = WRITE[fmt](codes, scales, xd, index)
-            for rows_per_step in (1, 16):
-                got = gpu.write(codes, scales, xd, index, fmt, rows_per_step=rows_per_step)
-                for g, w, name in zip(got, want, ("codes", "scales"), strict=True):
-                    assert_bits(g, w, f"{name} {(b, t, s)} {jnp.dtype(dtype).name} {rows_per_step}")
             for g, w, name in zip(mosaic.write(codes, scales, xd, index, fmt), want, ("codes", "scales"), strict=True):
                 assert_bits(g, w, f"mosaic {name} {(b, t, s)} {jnp.dtype(dtype).name}")
             api_write = fp4_pack.write_nvfp4 if fmt == "nvfp4" else fp4_pack.write_mxfp4  # GPU: direct.write

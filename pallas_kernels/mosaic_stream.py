@@ -1,9 +1,12 @@
-"""A persistent, multi-buffered TMA streaming loop for Mosaic GPU (``plgpu``) kernels, shared by the
-memory-bound kernels (fp4_pack, block_max).
+"""What the Mosaic GPU (``plgpu``) kernels of every op (fp4_pack, block_max) share: a persistent,
+multi-buffered TMA streaming loop (:func:`stream`, launched by :func:`kernel`), the register layout with
+one row a thread (:func:`rows_layout`), SMEM loads into it (:func:`load`), the registers of such an array
+as inline-PTX operands (:func:`words_of`), and the launch helpers :func:`num_sms` and
+:func:`interpret_params`.
 
-Each CTA (one warpgroup) walks the tiles ``c, c + n_ctas, c + 2 n_ctas, ...``. Tile loads go through TMA
-into ``stages`` SMEM slots, each slot with its own barrier, so up to ``stages - 1`` loads are in flight
-while a tile is computed. Results go to one of two SMEM output buffers and leave through TMA stores;
+In :func:`stream` each CTA (one warpgroup) walks the tiles ``c, c + n_ctas, c + 2 n_ctas, ...``. Tile
+loads go through TMA into ``stages`` SMEM slots, each slot with its own barrier, so up to ``stages - 1``
+loads are in flight while a tile is computed. Results go to one of two SMEM output buffers and leave through TMA stores;
 before a buffer is rewritten, the store issued from it two tiles earlier must have finished reading it.
 
 The loop is written with the explicit copy / barrier primitives rather than ``plgpu.emit_pipeline``:
@@ -28,6 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 CTA_AXIS = "cta"
 DEFAULT_NUM_SMS = 132  # H100 / H200 SXM
+ROW_VECTOR = 4  # elements per vector register of rows_layout: 16 bytes of 32-bit data
 
 
 def num_sms() -> int:
@@ -45,6 +49,36 @@ def interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+
+
+def rows_layout(p: int):
+    """[C, p] arrays (p a multiple of 4) with one row per thread: 4 warps x 32 lanes over 128 rows, the
+    row's p elements in vectors of ``ROW_VECTOR`` (16-byte SMEM accesses for 32-bit data); row reductions
+    stay inside the thread. Written in Mosaic GPU's canonical form of the tiling (128, p)(32, p)(1, 4)."""
+    if p % ROW_VECTOR:
+        raise ValueError(f"rows_layout: the row length ({p}) must be a multiple of {ROW_VECTOR}")
+    if p == ROW_VECTOR:
+        return plgpu.Layout.TILED(plgpu.Tiling(((128, 4), (32, 4))), warp_dims=(-4,), lane_dims=(-2,), vector_dim=-1)
+    return plgpu.Layout.TILED(plgpu.Tiling(((128, p), (32, p), (4,))), warp_dims=(-5,), lane_dims=(-3,),
+                              vector_dim=-1)
+
+
+def words_of(arr):
+    """A 32-bit ``FragmentedArray`` in :func:`rows_layout` (registers of ``vector<4 x i32>``) -> its registers
+    as lists of ``ROW_VECTOR`` i32 MLIR values, in register order: operands for inline PTX inside a
+    ``plgpu.inline_mgpu`` body (compiled path only)."""
+    from jax.experimental.mosaic.gpu import utils as mu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import llvm
+
+    i32 = ir.IntegerType.get_signless(32)
+    out = []
+    for reg in arr.registers.flat:
+        if ir.VectorType(reg.type).shape != [ROW_VECTOR]:
+            raise ValueError(f"words_of: the array must be in rows_layout (vectors of {ROW_VECTOR} words a "
+                             f"register), got registers of {reg.type}")
+        out.append([llvm.extractelement(reg, mu.c(j, i32)) for j in range(ROW_VECTOR)])
+    return out
 
 
 def load(ref, layout):

@@ -2,7 +2,7 @@
 
 A streaming max: each CTA runs ``mosaic_stream.stream`` over tiles of ``positions_per_step`` positions
 of one score row (TMA in with ``stages`` slots, TMA out from two buffers). In registers a tile is a
-[blocks, block_size] array with one block per thread (``fp4_pack.mosaic.rows_layout``), so the block max
+[blocks, block_size] array with one block per thread (``mosaic_stream.rows_layout``), so the block max
 stays inside the thread; the newest visible block ``(n_p - 1) // block_size`` (where n_p > 0) is set to
 +inf by comparing an iota of block ids with n_p, read as a scalar from GMEM. ``top_k`` stays in XLA
 (``api.candidate_block_ids``): Mosaic GPU has no sort / top_k lowering.
@@ -26,7 +26,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_stream as ms
-from pallas_kernels.fp4_pack.mosaic import rows_layout
 
 LAYOUTS = ("rows", "wgmma")
 
@@ -71,7 +70,7 @@ class _Geometry:
         self.rows_out = self.nbp
 
     def reg_layout(self):
-        return rows_layout(self.bs) if self.layout == "rows" else plgpu.Layout.WGMMA
+        return ms.rows_layout(self.bs) if self.layout == "rows" else plgpu.Layout.WGMMA
 
 
 def _body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):

@@ -11,7 +11,7 @@ of one bit (2- and 4-bit digits, 16 and 8 passes of 3 and 15 compares, were slow
 BENCHMARKS.md). ``select`` takes this kernel where the per-pass kernels would give a CTA several tiles.
 
 Layout: the block maxima [R, N] (f32) are read as int32 bits, [R * C * T * 128, P] rows of P = 32 (CTA
-(r, c) owns T tiles of 128 rows, one row a thread in registers, ``fp4_pack.mosaic.rows_layout``); padding is
+(r, c) owns T tiles of 128 rows, one row a thread in registers, ``mosaic_stream.rows_layout``); padding is
 -1, the bits of a NaN that maps to the lowest key. After the load each CTA rewrites its tiles in SMEM as the
 signed order key (``radix_mosaic.signed_key``).
 
@@ -32,8 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_stream as ms
-from pallas_kernels.block_max.radix_mosaic import _pack_pairs, _unpack_pairs, signed_key, to_kernel_rows
-from pallas_kernels.fp4_pack.mosaic import rows_layout
+from pallas_kernels.block_max.radix_mosaic import pack_pairs, signed_key, to_kernel_rows, unpack_pairs
 
 P = 32  # keys per thread row (128 bytes)
 TILE = 128 * P  # keys per TMA tile
@@ -130,7 +129,7 @@ def search(rows, k, *, c: int, t: int, interpret: bool = False):
         base = (row * c + me) * t
         for i in range(t):
             plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds((base + i) * 128, 128)], keys.at[i], barrier.at[i])
-        reg = rows_layout(P)
+        reg = ms.rows_layout(P)
         for i in range(t):  # the signed order key, in place
             plgpu.barrier_wait(barrier.at[i])
             x = signed_key(keys[i] if interpret else ms.load(keys.at[i], reg))
@@ -154,7 +153,7 @@ def search(rows, k, *, c: int, t: int, interpret: bool = False):
                     x = ms.load(keys.at[i], reg)
                     hits = [jnp.sum((x >= th).astype(jnp.int32), axis=1) for th in thresholds]
                     acc = hits if acc is None else [a + h for a, h in zip(acc, hits, strict=True)]
-                counts = _unpack_pairs([jnp.sum(w) for w in _pack_pairs(acc)], bins - 1)
+                counts = unpack_pairs([jnp.sum(w) for w in pack_pairs(acc)], bins - 1)
             vec = jnp.zeros((OUT,), jnp.int32) if interpret else jnp.where(lane < 0, 1, 0)
             for j, a in enumerate(counts):
                 vec = jnp.where(lane == j, a, vec)

@@ -9,7 +9,7 @@ The keys are the block maxima's f32 bits, [R * C * T * 128, P] rows of P = 32 (C
 128 rows), turned into the signed order key in registers (:func:`signed_key`: ``select.order_key`` with the
 sign bit flipped, so int32 order is the keys' order); padding is -1, which becomes INT32_MIN, below every
 threshold (thresholds are >= 1 as uint32). In registers a tile is [128, P] with one row per thread
-(``fp4_pack.mosaic.rows_layout``): the 15 compares and sums of a row stay in the thread; the 15 per-thread
+(``mosaic_stream.rows_layout``): the 15 compares and sums of a row stay in the thread; the 15 per-thread
 counters cross the warpgroup two to a word (each CTA count is below 2^16). A CTA writes 128 int32: its 15
 counts and, at index 15, the prefix it counted against.
 
@@ -29,7 +29,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_stream as ms
-from pallas_kernels.fp4_pack.mosaic import rows_layout
 
 P = 32  # keys per thread row (128 bytes)
 TILE = 128 * P  # keys per TMA tile
@@ -77,12 +76,14 @@ def signed_key(bits):
     return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def _pack_pairs(counts):
-    """Counts (each < 2^16) two to an int32: half the cross-warp reductions."""
+def pack_pairs(counts):
+    """Counts (each < 2^16) two to an int32, count 2i in the low half of word i: half the cross-warp
+    reductions (a sum of packed words is the packed sums while each sum stays below 2^16)."""
     return [a + (counts[i + 1] << 16) if i + 1 < len(counts) else a for i, a in enumerate(counts) if i % 2 == 0]
 
 
-def _unpack_pairs(words, n: int):
+def unpack_pairs(words, n: int):
+    """The inverse of :func:`pack_pairs`: words -> the first ``n`` counts."""
     out = []
     for w in words:
         out += [w & 0xFFFF, lax.shift_right_logical(w, 16)]
@@ -128,14 +129,14 @@ def count_pass(rows, prev, k, *, shift: int, prev_shift: int | None, c: int, t: 
                 x = signed_key(k_buf[i])
                 counts = [a + jnp.sum((x >= th).astype(jnp.int32)) for a, th in zip(counts, thresholds, strict=True)]
         else:
-            reg = rows_layout(P)
+            reg = ms.rows_layout(P)
             acc = None
             for i in range(t):
                 plgpu.barrier_wait(barrier.at[i])
                 x = signed_key(ms.load(k_buf.at[i], reg))
                 hits = [jnp.sum((x >= th).astype(jnp.int32), axis=1) for th in thresholds]  # [128] per thread
                 acc = hits if acc is None else [a + h for a, h in zip(acc, hits, strict=True)]
-            counts = _unpack_pairs([jnp.sum(w) for w in _pack_pairs(acc)], BINS - 1)  # across the warpgroup
+            counts = unpack_pairs([jnp.sum(w) for w in pack_pairs(acc)], BINS - 1)  # across the warpgroup
         out = jnp.where(lane == BINS - 1, prefix, 0)
         for j, a in enumerate(counts):
             out = jnp.where(lane == j, a, out)

@@ -23,6 +23,7 @@ from pallas_kernels import mosaic_stream as ms
 from pallas_kernels.bench_variants import header, measure, parse_variant
 from pallas_kernels.fp4_pack import direct, layout, mosaic, reference
 from pallas_kernels.fp4_pack.bench import OPS_PER_ELEMENT, SHAPES
+from pallas_kernels.fp4_pack.mosaic_encode import to_kernel_input
 
 DEFAULT_VARIANTS = [  # against the default (16 KB tiles, 2 stages, 3 CTAs/SM, 256-group passes, no auto barriers)
     "",
@@ -44,11 +45,11 @@ def stream_copy(x, fmt: str, *, rows_per_step: int = 16, stages: int = 2, ctas_p
     packer's layout) -> SMEM -> GMEM unchanged. Its time is the ceiling of ``mosaic.pack`` at these
     settings; the gap between the two is the encode."""
     block = layout.FORMATS[fmt]
-    xin, _ = mosaic._to_kernel_input(x, block)  # bf16: [R, G, P] words
+    xin, _ = to_kernel_input(x, block)  # bf16: [R, G, P] words
     r, g, p = xin.shape
     br = rows_per_step
     bm = br * g
-    reg = mosaic.rows_layout(p)
+    reg = ms.rows_layout(p)
     n_tiles = -(-r // br)
     n_ctas = min(n_tiles, ctas_per_sm * ms.num_sms())
     rows = functools.partial(pl.ds, size=br)
@@ -84,11 +85,11 @@ def direct_probe(x, fmt: str, *, groups_per_cta: int = 256):
     """``direct.pack``'s loads and stores with the encode taken out (each group's low word bytes and a zero
     scale are stored): the ceiling of the SMEM-less structure."""
     block = layout.FORMATS[fmt]
-    xin, _ = mosaic._to_kernel_input(x, block)
+    xin, _ = to_kernel_input(x, block)
     r, g, p = xin.shape
     m = r * g
     xin = xin.reshape(m, p)
-    reg = mosaic.rows_layout(p)
+    reg = ms.rows_layout(p)
 
     def body(x_gmem, codes_gmem, scales_gmem):
         base = jax.lax.axis_index(ms.CTA_AXIS) * groups_per_cta

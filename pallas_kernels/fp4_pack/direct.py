@@ -10,14 +10,14 @@ a software pipeline.
 
 Encodes (all bit-identical to ``quant``): for bf16 input ``pairs.encode`` (both lanes of a word per
 bf16x2 compare and add, inline PTX), which took the NVFP4 pack from 53% to 87% of the copy's rate on the
-H200; for other dtypes ``mosaic._encode`` (fp32 threshold compares on the pre-split lanes).
+H200; for other dtypes ``mosaic_encode``'s ``"compare"`` (fp32 threshold compares on the pre-split lanes).
 
 ``write`` is the same kernel with each thread's stores sent to its group's cache slot (inline PTX
 stores at computed addresses; Mosaic GPU has no per-thread scattered store), the caches being kernel
 refs updated in place.
 
 Views: input [M, P] int32 words (bf16 pairs; M = rows x groups, P = block / 2) or, for other input dtypes,
-[M, 2, P] fp32 [evens | odds] (``mosaic._to_kernel_input``'s transpose); codes [M, P] bytes, scales [M]
+[M, 2, P] fp32 [evens | odds] (``mosaic_encode.to_kernel_input``'s transpose); codes [M, P] bytes, scales [M]
 bytes. GMEM accesses carry no bounds checks, so the kernel covers the whole ``groups_per_cta`` tiles and
 the few groups past the last one (fewer than ``groups_per_cta``) go through the XLA reference, written into
 the kernel's outputs in place.
@@ -36,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_stream as ms
 from pallas_kernels.fp4_pack import layout, pairs, reference
-from pallas_kernels.fp4_pack.mosaic import ENCODES, _encode, _encode_words, _lanes, _to_kernel_input, rows_layout
+from pallas_kernels.fp4_pack.mosaic_encode import ENCODES, encode_tile, to_kernel_input
 
 CHUNK = 128  # groups a register pass: one a thread
 DIRECT_ENCODES = ("auto", *ENCODES, "pairs")  # auto: pairs for bf16 input, compare otherwise
@@ -46,10 +46,8 @@ _REFERENCE = {"nvfp4": reference.pack_nvfp4, "mxfp4": reference.pack_mxfp4}
 def _encoder(fmt: str, p: int, split: bool, encode: str, interpret: bool):
     def enc(w, bcast):
         if encode == "pairs":
-            return pairs.encode_model(fmt, w, bcast) if interpret else pairs.encode(fmt, w, rows_layout(p))
-        if encode == "swar":
-            return _encode_words(fmt, w, bcast)
-        return _encode(fmt, *_lanes(w, split), bcast, bsearch=encode == "bsearch")
+            return pairs.encode_model(fmt, w, bcast) if interpret else pairs.encode(fmt, w, ms.rows_layout(p))
+        return encode_tile(fmt, w, bcast, split=split, encode=encode)
 
     return enc
 
@@ -67,7 +65,7 @@ def _chunks(x_gmem, p: int, split: bool, tg: int, enc, interpret: bool):
             x = x_gmem[pl.ds(start, CHUNK)]
             yield (start, pl.ds(start, CHUNK), *enc((x[:, 0], x[:, 1]) if split else x, bcast), bcast)
         return
-    reg = rows_layout(p)
+    reg = ms.rows_layout(p)
 
     def bcast(v):
         return plgpu.layout_cast(lax.broadcast_in_dim(v, (CHUNK, p), (0,)), reg)
@@ -113,7 +111,7 @@ def _prepare(x, fmt: str, encode: str, groups_per_cta: int | None):
     if tg % CHUNK or tg <= 0:
         raise ValueError(f"fp4_pack direct: groups_per_cta ({tg}) must be a positive multiple of {CHUNK}")
     block = layout.FORMATS[fmt]
-    xin, split = _to_kernel_input(x, block)
+    xin, split = to_kernel_input(x, block)
     if encode in ("swar", "pairs") and split:
         raise ValueError(f"fp4_pack direct: encode={encode!r} needs bf16 input (two lanes per 32-bit word), "
                          f"got {x.dtype}")
@@ -178,9 +176,9 @@ def _scatter_ptx(p: int, g: int, s: int, t: int) -> str:
 
 def _scatter(p: int, g: int, s: int, t: int):
     """``store(start, packed, byte, bcast, slots_ref, codes_ref, scales_ref)``: each thread's group (start +
-    its thread index: in ``rows_layout`` thread i owns row i) stored at its cache slot, inline PTX (Mosaic
-    GPU has no per-thread scattered store)."""
-    reg = rows_layout(p)
+    its thread index: in ``mosaic_stream.rows_layout`` thread i owns row i) stored at its cache slot, inline
+    PTX (Mosaic GPU has no per-thread scattered store)."""
+    reg = ms.rows_layout(p)
 
     @plgpu.inline_mgpu(arg_types=(reg, reg, reg, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
     def store(ctx, packed, byte, start, slots_ref, codes_ref, scales_ref):
@@ -191,10 +189,10 @@ def _scatter(p: int, g: int, s: int, t: int):
 
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
         tid = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mu.c(CHUNK, i32))
-        m = arith.addi(pairs._words_of(start)[0][0], tid)
+        m = arith.addi(ms.words_of(start)[0][0], tid)
         words = [llvm.bitcast(i32, reg) for reg in packed.registers.flat]  # 4 code bytes a register
         ptrs = [llvm.ptrtoint(i64, mu.memref_ptr(r)) for r in (slots_ref, codes_ref, scales_ref)]
-        operands = [*ptrs, m, *words, pairs._words_of(byte)[0][0]]
+        operands = [*ptrs, m, *words, ms.words_of(byte)[0][0]]
         llvm.inline_asm(i32, operands, _scatter_ptx(p, g, s, t), "=r,l,l,l" + ",r" * (len(operands) - 3),
                         has_side_effects=True)
 

@@ -11,8 +11,9 @@ checked exhaustively against the reference), instead of ``encode``'s ~90 integer
 and bit rounding, which would make the kernel ALU-bound far above its byte floor. The per-group work
 (amax, the E4M3 / E8M0 scale with ``encode``'s exact integer routines, 7 products) runs once per group:
 in the default ``rows`` register layout a thread owns whole groups ([groups, pairs] with one row per
-thread), so the group max and the threshold broadcast stay in registers. ``layout_name="wgmma"`` (the
-WGMMA layout, 4 lanes per group, shuffles for the max) is kept as a fallback variant.
+thread, ``mosaic_stream.rows_layout``), so the group max and the threshold broadcast stay in registers.
+``layout_name="wgmma"`` (the WGMMA layout, 4 lanes per group, shuffles for the max) is kept as a fallback
+variant. The encodes and the kernel input view are ``mosaic_encode``'s, shared with ``direct``.
 
 Pairs without lane shuffles (element 2i goes in the low nibble of byte i):
 
@@ -42,84 +43,19 @@ import operator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_stream as ms
-from pallas_kernels.fp4_pack import decode, layout, reference, thresholds
+from pallas_kernels.fp4_pack import decode, layout, reference
+from pallas_kernels.fp4_pack.mosaic_encode import ENCODES, HI_HALF, encode_tile, to_kernel_input
 
 _SMEM_BYTES = 232448  # per CTA on the H100 / H200 (227 KB)
 _SCALE_PIECE = 256  # bytes per TMA store of the flat scale view (the TMA box limit), else 128
-_ABS, _HI_HALF = 0x7FFFFFFF, -65536  # |x| mask; 0xFFFF0000 as int32
-
-
-def rows_layout(p: int):
-    """[C, p] arrays (p a multiple of 4) with one row per thread: 4 warps x 32 lanes over 128 rows, the
-    row's p elements in vectors of 4 (16-byte SMEM accesses for 32-bit data); row reductions stay inside
-    the thread. Written in Mosaic GPU's canonical form of the tiling (128, p)(32, p)(1, 4)."""
-    if p % 4:
-        raise ValueError(f"rows_layout: the row length ({p}) must be a multiple of 4")
-    if p == 4:
-        return plgpu.Layout.TILED(plgpu.Tiling(((128, 4), (32, 4))), warp_dims=(-4,), lane_dims=(-2,), vector_dim=-1)
-    return plgpu.Layout.TILED(plgpu.Tiling(((128, p), (32, p), (4,))), warp_dims=(-5,), lane_dims=(-3,),
-                              vector_dim=-1)
-
 
 LAYOUTS = ("rows", "wgmma")
 _ROWS_PER_LAYOUT_TILE = {"rows": 128, "wgmma": 64}
-
-
-def _encode(fmt: str, even_bits, odd_bits, bcast, bsearch: bool = False):
-    """fp32 bit patterns of the even / odd lanes [C, P] -> (packed nibbles uint8 [C, P], scale byte uint8 [C]).
-
-    ``bcast`` maps a per-group [C] array to [C, P] in the register layout of the inputs.
-    """
-    f32 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float32)
-    ae, ao = f32(even_bits & _ABS), f32(odd_bits & _ABS)
-    amax = jnp.max(jnp.maximum(ae, ao), axis=1)
-    byte, thr = thresholds.group_scale(fmt, amax)
-    thr = [bcast(t) for t in thr]
-    sign = ((even_bits >> 28) & 0x08) | ((odd_bits >> 24) & 0x80)  # code bit 3 of each nibble
-    code_index = thresholds.code_index_bsearch if bsearch else thresholds.code_index
-    packed = code_index(ae, thr) | (code_index(ao, thr) << 4) | sign
-    return packed.astype(jnp.uint8), byte.astype(jnp.uint8)
-
-
-ENCODES = ("compare", "bsearch", "swar")
-_GUARDS = -0x7FFF8000  # 0x80008000 as int32: a guard bit above each 15-bit magnitude of a word
-
-
-def _encode_words(fmt: str, w, bcast):
-    """``encode="swar"``: :func:`_encode` for bf16 input, both lanes of a 32-bit word at once.
-
-    For non-negative floats the order of the bit patterns is the order of the values, so ``|x| >= t`` for a
-    bf16 ``x`` is ``mag >= ceil(bits(t) / 2^16)`` on its 15-bit magnitude. With a guard bit above each
-    magnitude of the word, ``(mag_pair | guards) - (T | T << 16)`` cannot borrow across the halves (T <=
-    2^15), and its bit 15 (31) is set exactly when the low (high) magnitude reaches T: one subtraction, a
-    shift and a mask count one threshold for both lanes, against two compares and two adds.
-    """
-    mags = w & 0x7FFF7FFF
-    lo, hi = mags & 0xFFFF, lax.shift_right_logical(mags, 16)
-    amax = lax.bitcast_convert_type(jnp.max(jnp.maximum(lo, hi), axis=1) << 16, jnp.float32)
-    byte, thr = thresholds.group_scale(fmt, amax)
-    guarded = mags | _GUARDS
-    count = None
-    for t in thr:
-        tb = lax.bitcast_convert_type(t, jnp.int32)  # >= 0: thresholds are positive (or NaN patterns)
-        t16 = jnp.minimum((tb >> 16) + ((tb & 0xFFFF) != 0).astype(jnp.int32), 0x8000)
-        hit = lax.shift_right_logical(guarded - bcast(t16 | (t16 << 16)), 15) & 0x00010001
-        count = hit if count is None else count + hit
-    sign = ((w >> 12) & 0x08) | (lax.shift_right_logical(w, 24) & 0x80)
-    packed = (count & 7) | ((count >> 12) & 0x70) | sign
-    return packed.astype(jnp.uint8), byte.astype(jnp.uint8)
-
-
-def _lanes(w, split: bool):
-    """Kernel input rows -> fp32 bit patterns of (even, odd) lanes: bf16 words split in registers, or the
-    two halves of a pre-split fp32 group."""
-    return w if split else (w << 16, w & _HI_HALF)
 
 
 class _Geometry:
@@ -184,16 +120,14 @@ class _Geometry:
         return (self.br, self.g) if self.scales_2d else (self.bm,)
 
     def reg_layout(self):
-        return rows_layout(self.p) if self.layout == "rows" else plgpu.Layout.WGMMA
+        return ms.rows_layout(self.p) if self.layout == "rows" else plgpu.Layout.WGMMA
 
 
 def _kernel_body(geo: _Geometry, interpret: bool, n_ctas: int, stages: int):
     rows = functools.partial(pl.ds, size=geo.br)
 
     def encode(w, bcast):
-        if geo.encode == "swar":
-            return _encode_words(geo.fmt, w, bcast)
-        return _encode(geo.fmt, *_lanes(w, geo.split), bcast, bsearch=geo.encode == "bsearch")
+        return encode_tile(geo.fmt, w, bcast, split=geo.split, encode=geo.encode)
 
     def body(x_gmem, codes_gmem, scales_gmem, x_buf, c_buf, s_buf, barrier):
         def load(t, slot):
@@ -264,16 +198,6 @@ def default_rows_per_step(r: int, n: int, block: int, split: bool, n_ctas: int, 
     return min(max(unit, rows // unit * unit), 256 // unit * unit)
 
 
-def _to_kernel_input(x, block: int):
-    """[..., N] -> (int32 view for the kernel, split?): bf16 pairs as words (free), else fp32 [evens|odds]."""
-    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    g, p = x.shape[-1] // block, block // 2
-    if x.dtype == jnp.bfloat16:
-        return lax.bitcast_convert_type(x.reshape(rows, g, p, 2), jnp.int32), False
-    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32).reshape(rows, g, p, 2)
-    return jnp.swapaxes(bits, -1, -2), True  # [R, G, 2, P]: one XLA transpose
-
-
 @functools.partial(jax.jit, static_argnames=("fmt", "rows_per_step", "step_bytes", "chunk", "stages",
                                              "ctas_per_sm", "layout_name", "no_auto_barriers", "encode",
                                              "interpret"))
@@ -290,7 +214,7 @@ def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STE
     around each SMEM store (the kernel never reads back what it stores; ``stream`` synchronises before
     every TMA). ``encode`` picks the code index: ``"compare"`` (7 compares a lane, the default),
     ``"bsearch"`` (a binary search: 3 compares and 3 selects, ``thresholds.code_index_bsearch``) or
-    ``"swar"`` (bf16 input: both lanes of a word per subtraction, :func:`_encode_words`); all bit-exact,
+    ``"swar"`` (bf16 input: both lanes of a word per subtraction, ``mosaic_encode.encode_words``); all bit-exact,
     and on the H200 the default was fastest or equal (the loop, not the encode, bounds the kernel:
     BENCHMARKS.md). ``interpret=True`` runs the GPU interpreter (CPU; no register layouts).
     """
@@ -300,7 +224,7 @@ def pack(x, fmt: str, *, rows_per_step: int | None = None, step_bytes: int = STE
     r = math.prod(lead)
     if r == 0:
         return layout.empty(lead, n, block, fmt)
-    xin, split = _to_kernel_input(x, block)
+    xin, split = to_kernel_input(x, block)
     max_ctas = ctas_per_sm * ms.num_sms()
     if rows_per_step is None:
         rows_per_step = default_rows_per_step(r, n, block, split, max_ctas, step_bytes)
@@ -411,7 +335,7 @@ def _unpack_body(geo: _UnpackGeometry, interpret: bool, n_ctas: int, stages: int
 
         def words(even, odd):  # fp32 values exact in bf16: truncation is the rounding (NaN: canonical)
             bits = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.int32)
-            return (bits(odd) & _HI_HALF) | lax.shift_right_logical(bits(even), 16)
+            return (bits(odd) & HI_HALF) | lax.shift_right_logical(bits(even), 16)
 
         def compute(t, slot, buf):
             del t
@@ -422,7 +346,7 @@ def _unpack_body(geo: _UnpackGeometry, interpret: bool, n_ctas: int, stages: int
                 out = jnp.stack([even, odd], axis=1) if geo.split else words(even, odd)
                 o_buf[buf] = out.reshape(o_box)
                 return
-            reg = rows_layout(geo.p)
+            reg = ms.rows_layout(geo.p)
             shape = (geo.chunk, geo.p)
             cs, ss, os_ = c_buf.at[slot], s_buf.at[slot], o_buf.at[buf]
 

@@ -42,13 +42,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels import mosaic_stream as ms
 from pallas_kernels.fp4_pack import thresholds
 
 _ABS2 = 0x7FFF7FFF  # |x| of both lanes
 _MU16 = [int(np.asarray(mu, np.float32).view(np.uint32)) >> 16 for mu in thresholds.MIDPOINTS]  # exact in bf16
 _TINY16 = 0x0080  # 2^-126 in bf16
 _BIAS2 = 0x43004300  # 128.0 in both halves
-WORDS = 4  # words per vector register of the rows layout, and per code word
+WORDS = ms.ROW_VECTOR  # words per vector register of the rows layout, and per code word
 
 
 def _f32_bits(x):
@@ -165,22 +166,6 @@ def _asm(operands, text):
     return llvm.inline_asm(i32, list(operands), text, "=r" + ",r" * len(operands), has_side_effects=False)
 
 
-def _words_of(arr):
-    """A FragmentedArray's registers (vector<4 x i32> each) -> lists of 4 i32 values, in register order."""
-    from jax.experimental.mosaic.gpu import utils as mu
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import llvm
-
-    i32 = ir.IntegerType.get_signless(32)
-    out = []
-    for reg in arr.registers.flat:
-        if ir.VectorType(reg.type).shape != [WORDS]:
-            raise ValueError(f"fp4_pack pairs: the words must be in mosaic.rows_layout (vectors of {WORDS} words a "
-                             f"register), got registers of {reg.type}")
-        out.append([llvm.extractelement(reg, mu.c(j, i32)) for j in range(WORDS)])
-    return out
-
-
 def _splat_array(values, like, dtype):
     """One i32 per register of ``like`` -> a FragmentedArray of ``like``'s layout whose vectors are
     ``values`` broadcast (int32) or bitcast to 4 bytes (uint8)."""
@@ -211,7 +196,7 @@ def _nvfp4_pattern_pairs(s_bits):
 
 
 def encode(fmt: str, words, layout):
-    """[C, P] bf16-pair words in ``layout`` (``mosaic.rows_layout(P)`` with C = 128: a thread owns a row)
+    """[C, P] bf16-pair words in ``layout`` (``mosaic_stream.rows_layout(P)`` with C = 128: a thread owns a row)
     -> (codes uint8 [C, P], scale bytes uint8 [C]), bit-identical to ``quant.pack_<fmt>`` on the words'
     lanes. NVFP4: the row maximum's quotient by 6 in PTX (``div.rn.f32``), the scale from it in jnp
     (:func:`nvfp4_scale_from_quotient`), the thresholds from the scale in PTX; MXFP4: the thresholds in jnp
@@ -226,7 +211,7 @@ def encode(fmt: str, words, layout):
     @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct((c, p), jnp.int32, layout=layout))
     def row_amax(ctx, w):  # each element the row's max |x| (nvfp4: max(amax, 6 2^-9) / 6), fp32 bits
         del ctx
-        parts = [_asm(ws, _AMAX_PTX) for ws in _words_of(w)]
+        parts = [_asm(ws, _AMAX_PTX) for ws in ms.words_of(w)]
         m = parts[0]
         for q in parts[1:]:
             m = _asm([m, q], "max.f32 $0, $1, $2;")  # fp32 patterns of bf16 values: exact
@@ -240,10 +225,10 @@ def encode(fmt: str, words, layout):
                        return_type=plgpu.ShapeDtypeStruct((c, p), jnp.uint8, layout=layout))
     def code_bytes(ctx, w, *extra):
         del ctx
-        per_row = [_words_of(t)[0][0] for t in extra]  # each a splat of the row's value
+        per_row = [ms.words_of(t)[0][0] for t in extra]  # each a splat of the row's value
         pairs_ = _nvfp4_pattern_pairs(per_row[0]) if nvfp4 else per_row
         text = _codes_ptx()
-        return _splat_array([_asm([*ws, *pairs_], text) for ws in _words_of(w)], w, jnp.uint8)
+        return _splat_array([_asm([*ws, *pairs_], text) for ws in ms.words_of(w)], w, jnp.uint8)
 
     def bcast(v):
         return plgpu.layout_cast(lax.broadcast_in_dim(v, (c, p), (0,)), layout)

@@ -18,7 +18,7 @@ from jax import lax
 
 from dsv41_jax import quant
 from pallas_kernels.fp4_pack import direct, pairs
-from tests.kernels.test_mosaic_gpu import ALL_BF16, NVFP4_SCALES, _fp4_check, _on_cpu, all_fp4_cases
+from tests.kernels.test_mosaic_gpu import ALL_BF16, NVFP4_SCALES, all_fp4_cases, fp4_check, on_cpu
 
 # every finite bf16 as a word: the value in the low lane, its negation in the high lane
 _BITS = np.asarray(ALL_BF16, np.float32).view(np.uint32) >> 16
@@ -51,7 +51,7 @@ def test_codes_exhaustive(fmt):
     for chunk in np.array_split(scales, 8):
         w = np.tile(WORDS, len(chunk))
         s = np.repeat(chunk, len(WORDS))
-        got, want = (np.asarray(a) for a in _on_cpu(functools.partial(_both, fmt), w, s))
+        got, want = (np.asarray(a) for a in on_cpu(functools.partial(_both, fmt), w, s))
         bad = np.nonzero(got != want)[0][:5]
         assert bad.size == 0, f"{fmt}: words {w[bad]} scales {s[bad]} got {got[bad]} want {want[bad]}"
 
@@ -76,8 +76,8 @@ def test_nvfp4_scale_from_quotient_exhaustive():
     def ours(a):
         return pairs.nvfp4_scale_from_quotient(quant._div_rn(jnp.maximum(a, 6 * 2.0**-9), jnp.float32(6.0)))
 
-    s, byte = _on_cpu(ours, amax)
-    want = _on_cpu(lambda a: quant._round_e4m3(quant._div_rn(jnp.maximum(a, 6 * 2.0**-9), jnp.float32(6))), amax)
+    s, byte = on_cpu(ours, amax)
+    want = on_cpu(lambda a: quant._round_e4m3(quant._div_rn(jnp.maximum(a, 6 * 2.0**-9), jnp.float32(6))), amax)
     np.testing.assert_array_equal(s, want)
     np.testing.assert_array_equal(byte.astype(np.uint8), want.astype(jnp.float8_e4m3fn).view(np.uint8))
 
@@ -94,7 +94,7 @@ def test_direct_pairs_interpreted(fmt, n):
     """The SMEM-less pack with ``encode="pairs"`` (the bf16 default) on every case, in the interpreter."""
     x = np.asarray(jnp.asarray(all_fp4_cases(fmt, n), jnp.bfloat16).astype(jnp.float32))
     impl = functools.partial(direct.pack, encode="pairs", groups_per_cta=128, interpret=True)
-    _fp4_check(impl, x, fmt, f"pairs {fmt} N={n}", jnp.bfloat16)
+    fp4_check(impl, x, fmt, f"pairs {fmt} N={n}", jnp.bfloat16)
 
 
 def test_pairs_needs_bf16():
@@ -130,5 +130,5 @@ def test_direct_pairs_on_device(fmt, n):
                      (groups.reshape(-1, n), "every amax"), (big, "4099 rows"), (big[:3], "3 rows")):
         x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
         for gpc in (128, None):  # None: the default, 1024 for nvfp4
-            _fp4_check(functools.partial(impl, groups_per_cta=gpc), x, fmt, f"pairs {gpc} {fmt} N={n} {label}",
+            fp4_check(functools.partial(impl, groups_per_cta=gpc), x, fmt, f"pairs {gpc} {fmt} N={n} {label}",
                        jnp.bfloat16)

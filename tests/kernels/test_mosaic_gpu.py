@@ -7,7 +7,7 @@ their lowering to Mosaic GPU for a cuda target (register layouts, TMA box shapes
 left to the device is PTX compilation). Marked gpu: the compiled kernels on the device, each mismatch
 reported with the variant, the case and the first differing group / block.
 
-The references run on XLA:CPU (``_on_cpu``): that is the semantics the kernels implement, including
+The references run on XLA:CPU (``on_cpu``): that is the semantics the kernels implement, including
 XLA:CPU's flushing of subnormal inputs to zero.
 """
 
@@ -33,7 +33,7 @@ REFERENCE = {"nvfp4": quant.pack_nvfp4, "mxfp4": quant.pack_mxfp4}
 BLOCK = {"nvfp4": 16, "mxfp4": 32}
 
 
-def _on_cpu(fn, *args):
+def on_cpu(fn, *args):
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         return jax.tree.map(np.asarray, fn(*(jax.device_put(np.asarray(a), cpu) for a in args)))
@@ -105,7 +105,7 @@ def test_nvfp4_scale_matches_reference():
     amax = np.concatenate([ALL_BF16[ALL_BF16 > 0],
                            np.abs(np.random.default_rng(1).standard_normal(1 << 18)).astype(np.float32) * 500])
     s, byte = jax.jit(th.nvfp4_scale)(amax)
-    want = _on_cpu(lambda a: quant._round_e4m3(quant._div_rn(jnp.maximum(a, 6 * 2.0**-9), jnp.float32(6))), amax)
+    want = on_cpu(lambda a: quant._round_e4m3(quant._div_rn(jnp.maximum(a, 6 * 2.0**-9), jnp.float32(6))), amax)
     np.testing.assert_array_equal(np.asarray(s), want)
     np.testing.assert_array_equal(np.asarray(byte).astype(np.uint8), want.astype(jnp.float8_e4m3fn).view(np.uint8))
 
@@ -185,9 +185,9 @@ def fp4_diagnosis(x, got, want, fmt: str, label: str) -> str:
             f"{wc[r, sl].tolist()}; input {x[r, g * block:(g + 1) * block].tolist()}")
 
 
-def _fp4_check(impl, x, fmt, label, dtype=jnp.float32):
+def fp4_check(impl, x, fmt, label, dtype=jnp.float32):
     """impl(x as dtype, fmt) == the reference on x (x holds values that dtype represents)."""
-    want = _on_cpu(REFERENCE[fmt], x)
+    want = on_cpu(REFERENCE[fmt], x)
     got = jax.tree.map(np.asarray, impl(jnp.asarray(x, dtype), fmt))
     msg = fp4_diagnosis(np.asarray(x, np.float32), got, want, fmt, label)
     assert not msg, msg
@@ -220,7 +220,7 @@ def bm_diagnosis(scores, n, got, want, block_size: int, label: str) -> str:
 
 
 def _bm_check(impl, scores, n, block_size, label):
-    want = _on_cpu(functools.partial(bm_reference.block_max, block_size=block_size), scores, n)
+    want = on_cpu(functools.partial(bm_reference.block_max, block_size=block_size), scores, n)
     got = np.asarray(impl(scores, n, block_size))
     msg = bm_diagnosis(scores, n, got, want, block_size, label)
     assert not msg, msg
@@ -240,7 +240,7 @@ BM_SHAPES = [(1, 1, 8, 8), (2, 3, 37, 8), (3, 2, 129, 8), (2, 5, 100, 4), (1, 3,
 def test_fp4_interpreted(fmt, n, rows_per_step, dtype):
     x = np.asarray(jnp.asarray(all_fp4_cases(fmt, n), dtype).astype(jnp.float32))  # values the dtype holds
     impl = functools.partial(fp4_mosaic.pack, rows_per_step=rows_per_step, interpret=True)
-    _fp4_check(impl, x, fmt, f"interpret {fmt} N={n} {jnp.dtype(dtype).name}", dtype)
+    fp4_check(impl, x, fmt, f"interpret {fmt} N={n} {jnp.dtype(dtype).name}", dtype)
 
 
 @pytest.mark.parametrize("fmt,n,groups_per_cta", [("nvfp4", 512, 256), ("mxfp4", 128, 128), ("nvfp4", 96, 128)])
@@ -250,8 +250,8 @@ def test_fp4_direct_interpreted(fmt, n, groups_per_cta, dtype):
     groups a row) that the reference fills in."""
     x = np.asarray(jnp.asarray(all_fp4_cases(fmt, n), dtype).astype(jnp.float32))
     impl = functools.partial(fp4_direct.pack, groups_per_cta=groups_per_cta, interpret=True)
-    _fp4_check(impl, x, fmt, f"direct {fmt} N={n} {jnp.dtype(dtype).name}", dtype)
-    _fp4_check(impl, x[:3], fmt, f"direct {fmt} N={n}, 3 rows (all tail)", dtype)
+    fp4_check(impl, x, fmt, f"direct {fmt} N={n} {jnp.dtype(dtype).name}", dtype)
+    fp4_check(impl, x[:3], fmt, f"direct {fmt} N={n}, 3 rows (all tail)", dtype)
     with pytest.raises(ValueError, match="groups_per_cta"):
         fp4_direct.pack(jnp.zeros((8, n)), fmt, groups_per_cta=100)
 
@@ -262,7 +262,7 @@ def test_fp4_interpreted_swar_encode(fmt, n):
     the only input it takes."""
     x = np.asarray(jnp.asarray(all_fp4_cases(fmt, n), jnp.bfloat16).astype(jnp.float32))
     impl = functools.partial(fp4_mosaic.pack, encode="swar", interpret=True)
-    _fp4_check(impl, x, fmt, f"interpret swar {fmt} N={n}", jnp.bfloat16)
+    fp4_check(impl, x, fmt, f"interpret swar {fmt} N={n}", jnp.bfloat16)
     with pytest.raises(ValueError, match="needs bf16 input"):
         fp4_mosaic.pack(jnp.zeros((8, n), jnp.float32), fmt, encode="swar")
 
@@ -273,7 +273,7 @@ def test_fp4_interpreted_bsearch_encode(fmt, n, dtype):
     """The binary-search code index on every case, both input dtypes."""
     x = np.asarray(jnp.asarray(all_fp4_cases(fmt, n), dtype).astype(jnp.float32))
     impl = functools.partial(fp4_mosaic.pack, encode="bsearch", interpret=True)
-    _fp4_check(impl, x, fmt, f"interpret bsearch {fmt} N={n} {jnp.dtype(dtype).name}", dtype)
+    fp4_check(impl, x, fmt, f"interpret bsearch {fmt} N={n} {jnp.dtype(dtype).name}", dtype)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -282,7 +282,7 @@ def test_fp4_interpreted_leading_dims_and_empty(fmt):
     impl = functools.partial(fp4_mosaic.pack, rows_per_step=32, interpret=True)
     for shape in ((0, 128), (2, 0, 128), (3, 128), (2, 3, 11, 128)):
         x = rng.standard_normal(shape).astype(np.float32)
-        want = _on_cpu(REFERENCE[fmt], x)
+        want = on_cpu(REFERENCE[fmt], x)
         got = impl(jnp.asarray(x), fmt)
         assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
         np.testing.assert_array_equal(np.asarray(got[0]), want[0])
@@ -409,12 +409,12 @@ def test_fp4_on_device(variant, fmt, n):
         cast = lambda v, dt=dtype: np.asarray(jnp.asarray(v, dt).astype(jnp.float32))  # noqa: E731
         for x, label in ((cast(x_all), "cases"), (cast(big), "4099 rows"), (cast(big[:3]), "3 rows")):
             try:
-                _fp4_check(impl, x, fmt, f"{kw} {fmt} N={n} {jnp.dtype(dtype).name} {label}", dtype)
+                fp4_check(impl, x, fmt, f"{kw} {fmt} N={n} {jnp.dtype(dtype).name} {label}", dtype)
             except AssertionError as e:
                 msg = str(e)
                 if label == "cases":
                     rows = [int(r) for r in np.unique(np.argwhere(
-                        np.asarray(impl(jnp.asarray(x, dtype), fmt)[0]) != _on_cpu(REFERENCE[fmt], x)[0])[:, 0])]
+                        np.asarray(impl(jnp.asarray(x, dtype), fmt)[0]) != on_cpu(REFERENCE[fmt], x)[0])[:, 0])]
                     msg += f"; cases with a difference: {sorted(set(names[rows].tolist()))}"
                 print("MISMATCH", msg, flush=True)  # shown at once with pytest -s, even if the run is cut short
                 errors.append(msg)
@@ -432,7 +432,7 @@ def test_fp4_direct_on_device(fmt, n):
             x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
             for gpc in (128, 512):
                 impl = functools.partial(fp4_direct.pack, groups_per_cta=gpc)
-                _fp4_check(impl, x, fmt, f"direct {gpc} {fmt} N={n} {jnp.dtype(dtype).name} {label}", dtype)
+                fp4_check(impl, x, fmt, f"direct {gpc} {fmt} N={n} {jnp.dtype(dtype).name} {label}", dtype)
 
 
 @pytest.mark.gpu
@@ -444,7 +444,7 @@ def test_fp4_other_encodes_on_device(fmt, n, encode):
     big = np.random.default_rng(3).standard_normal((4099, n)).astype(np.float32)
     for x, label in ((x_all, "cases"), (big, "4099 rows"), (big[:3], "3 rows")):
         x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
-        _fp4_check(impl, x, fmt, f"{encode} {fmt} N={n} {label}", jnp.bfloat16)
+        fp4_check(impl, x, fmt, f"{encode} {fmt} N={n} {label}", jnp.bfloat16)
 
 
 @pytest.mark.gpu
@@ -453,7 +453,7 @@ def test_fp4_on_device_leading_dims():
     for dtype in (jnp.bfloat16, jnp.float32):
         xd = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
         for fmt in ("nvfp4", "mxfp4"):
-            _fp4_check(fp4_mosaic.pack, xd, fmt, f"leading dims {fmt} {jnp.dtype(dtype).name}", dtype)
+            fp4_check(fp4_mosaic.pack, xd, fmt, f"leading dims {fmt} {jnp.dtype(dtype).name}", dtype)
 
 
 BM_DEVICE_SHAPES = BM_SHAPES + [(8, 1, 1 << 20, 8), (128, 1, 4099, 8), (2, 64, 2053, 8), (32, 1, 1 << 17, 8)]
@@ -493,5 +493,5 @@ def test_block_max_on_device_candidate_ids():
         vals, idx = lax.top_k(bmax, min(2048, nb))
         ids = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)
         ids = jnp.where(ids < nb, ids, -1).astype(jnp.int32)
-        want = _on_cpu(functools.partial(indexer.candidate_block_ids, block_size=8, n_blocks=2048), scores, n)
+        want = on_cpu(functools.partial(indexer.candidate_block_ids, block_size=8, n_blocks=2048), scores, n)
         np.testing.assert_array_equal(np.asarray(ids), want)

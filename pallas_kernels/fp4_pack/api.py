@@ -15,8 +15,8 @@ config state: callers pass their own ``kernel_backend``.
 
 On GPU the cache write is one kernel (``direct.write``): each thread stores its group's codes and scale
 byte at the slot's address, and the caches are updated in place (jax >= 0.11; older jax packs, then
-scatters with XLA). ``mosaic.pack`` (the TMA-loop pack) and ``mosaic.write`` stay as variants that
-``bench_mosaic.py`` times.
+scatters with XLA). ``mosaic.pack`` (the TMA-loop pack, timed by ``bench_mosaic.py``) and ``mosaic.write``
+(that pack, then XLA's scatter) stay as tested variants.
 """
 
 from __future__ import annotations

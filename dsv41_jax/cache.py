@@ -8,7 +8,9 @@ Everything is allocated from ``max_seq_len`` and the batch; nothing is allocated
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import jax
@@ -17,6 +19,7 @@ from jaxtyping import Array, Int
 
 from dsv41_jax import quant
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.kv_store import Slots
 from dsv41_jax.topology import topology
 from pallas_kernels import fp4_pack
 from pallas_kernels.fp4_pack import reference as fp4_reference
@@ -186,3 +189,93 @@ def cache_partition_specs(cache: Cache, mesh: jax.sharding.Mesh | None = None, *
     return Cache(spec(cache.lengths, False),
                  tuple(RingCache(*(spec(x, False) for x in r)) for r in cache.rings),
                  tuple(SourceCache(*(spec(x, i < 4) for i, x in enumerate(s))) for s in cache.sources))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the engine's KV store (dsv41_jax.model.kv_store): the packed cache under a chunk of new tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PackedKV:
+    """:class:`~dsv41_jax.model.kv_store.KVStore` over the packed cache, for a chunk of new tokens per sequence.
+
+    The chunk's ``n_new[b]`` tokens follow the ``lengths[b]`` the cache held before it. Compressed entries of
+    groups that end in the chunk are packed at their entry (a ratio-2 group straddling chunks is completed from
+    the carry); groups ending before ``write_floor`` are never rewritten (bounded replay, spec §9.4). The last
+    ``window`` tokens of each sequence enter their layer's SWA ring. Reads unpack only what a layer reads.
+    """
+
+    lengths: Int[Array, "B"]  # tokens in the cache before the chunk
+    n_new: Int[Array, "B"]
+    write_floor: Int[Array, "B"]
+    rings: tuple[RingCache, ...]  # by layer
+    sources: dict[int, SourceCache]  # by KV-source layer
+    backend: str = field(default="xla", metadata=dict(static=True))  # attention.kernel_backend
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, cache: Cache, n_new: Array, write_floor: Array | None = None) -> PackedKV:
+        floor = jnp.zeros_like(cache.lengths) if write_floor is None else write_floor
+        sources = dict(zip(cfg.attention.kv_source_layers, cache.sources, strict=True))
+        return cls(cache.lengths, n_new, floor, cache.rings, sources, cfg.attention.kernel_backend)
+
+    def cache(self) -> Cache:
+        """The cache after the chunk."""
+        return Cache(self.lengths + self.n_new, self.rings, tuple(self.sources[k] for k in sorted(self.sources)))
+
+    def compress(self, layer, compressor, x, vis):
+        m, src = layer.ratio, self.sources[layer.layer]
+        valid = vis.valid
+        if m == 1:
+            latent = compressor(x)  # [B, S, H]: one entry per token
+            closes = valid
+        else:
+            c, z = compressor.project(x)  # fp32 [B, S, H]
+            prev_c = jnp.concatenate([src.carry_c[:, None], c[:, :-1]], axis=1)
+            prev_z = jnp.concatenate([src.carry_z[:, None], z[:, :-1]], axis=1)
+            latent = compressor.pool(jnp.stack([prev_c, c], axis=2), jnp.stack([prev_z, z], axis=2), x.dtype)
+            closes = valid & (vis.pos % m == m - 1)
+            last = jnp.maximum(valid.sum(-1) - 1, 0)[:, None, None]
+            keep = valid.any(-1)[:, None]  # the open group's first token becomes the carry
+            src = src._replace(carry_c=jnp.where(keep, jnp.take_along_axis(c, last, 1)[:, 0], src.carry_c),
+                               carry_z=jnp.where(keep, jnp.take_along_axis(z, last, 1)[:, 0], src.carry_z))
+        entry = vis.pos // m
+        # bounded replay never rewrites global KV; a group that ends at or after the floor is still written
+        write = closes & (vis.pos >= self.write_floor[:, None])
+        slots = Slots(entry * m, jnp.where(write, entry, src.kv_codes.shape[1]))
+        return latent, slots, self._with_source(layer.layer, src)
+
+    def write_entries(self, layer, main_kv, index_k, slots):
+        src = write_source(self.sources[layer.layer], main_kv, index_k, slots.index, backend=self.backend)
+        return self._with_source(layer.layer, src)
+
+    def n_entries(self, layer):
+        return self.sources[layer.kv_source].kv_codes.shape[1]
+
+    def index_keys(self, layer, dtype):
+        return read_index_keys(self.sources[layer.kv_source], dtype, backend=self.backend)
+
+    def index_keys_at(self, layer, index, dtype):
+        return read_index_keys_at(self.sources[layer.kv_source], index, dtype, backend=self.backend)
+
+    def main_kv(self, layer, dtype):
+        src = self.sources[layer.kv_source]
+        return fp4_pack.unpack_nvfp4(src.kv_codes, src.kv_scales, dtype, backend=self.backend)
+
+    def attended_entries(self, layer, topk, dtype):
+        return None, read_main_kv(self.sources[layer.kv_source], topk, dtype, backend=self.backend)
+
+    def window(self, layer, dtype):
+        ring = self.rings[layer.layer]
+        return read_ring(ring, dtype), ring_positions(self.lengths, ring.values.shape[1])
+
+    def write_window(self, layer, window_kv, vis):
+        w = self.rings[layer.layer].values.shape[1]
+        last = self.lengths + self.n_new - 1
+        write = vis.valid & (vis.pos > last[:, None] - w)  # each sequence's last W tokens
+        rings = list(self.rings)
+        rings[layer.layer] = write_ring(rings[layer.layer], window_kv, vis.pos, write)
+        return dataclasses.replace(self, rings=tuple(rings))
+
+    def _with_source(self, layer: int, src: SourceCache) -> PackedKV:
+        return dataclasses.replace(self, sources={**self.sources, layer: src})

@@ -16,6 +16,7 @@ from flax import nnx
 
 from dsv41_jax.engram_hash import EngramHasher
 from dsv41_jax.model import Transformer
+from dsv41_jax.model.indexer import block_mask
 
 
 def score_inputs(model: Transformer, hasher: EngramHasher, inputs) -> dict[str, np.ndarray]:
@@ -43,7 +44,8 @@ def prefill_outputs(model: Transformer, hasher: EngramHasher, ids: np.ndarray, t
     for layer in a.index_source_layers:
         out[f"{tag}_topk_{layer}"] = np.asarray(aux.shared[layer].topk).astype(np.int16)
     c = a.candidate_source_layer
-    blocks = np.asarray(aux.shared[c].candidates)
+    n_blocks = -(-(ids.shape[1] // a.compress_ratios[c]) // a.candidate_block_size)
+    blocks = np.asarray(block_mask(aux.shared[c].candidates, n_blocks))  # kept block ids -> [B, S, blocks] mask
     out[f"{tag}_candidates_{c}"] = np.repeat(blocks, a.candidate_block_size, -1)[..., : ids.shape[1]]
     out[f"{tag}_moe_topk"] = np.stack(
         [np.asarray(r.experts).reshape(-1, r.experts.shape[-1]) for r in aux.routing]).astype(np.int8)
@@ -54,8 +56,8 @@ def prefill_outputs(model: Transformer, hasher: EngramHasher, ids: np.ndarray, t
         if aux.main_hidden is not None:
             out[f"{p}_main_hidden"] = np.asarray(aux.main_hidden[0], np.float32)
         for layer in a.kv_source_layers:
-            out[f"{p}_compressed_kv_{layer}"] = np.asarray(aux.shared[layer].main_kv[0], np.float32)
-            out[f"{p}_index_k_{layer}"] = np.asarray(aux.shared[layer].index_k[0], np.float32)
+            out[f"{p}_compressed_kv_{layer}"] = np.asarray(aux.shared[layer].kv.main[0], np.float32)
+            out[f"{p}_index_k_{layer}"] = np.asarray(aux.shared[layer].kv.index[0], np.float32)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Prefill (exact / CED), encoder bounded replay after a prefix-cache hit, and the decode step (spec §8, §9).
+"""Prefill (exact / CED) and encoder bounded replay after a prefix-cache hit (spec §8, §9).
 
 All entry points take the model, a packed :class:`~dsv41_jax.cache.Cache` and host-computed Engram rows,
 and return fp32 logits of each sequence's last token with the updated cache.
@@ -70,12 +70,6 @@ def replay_after_hit(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S
     _check_capacity(model.cfg, resumed, n_new)
     return forward_chunk(model, resumed, tokens, engram_rows, n_new, replay_start=start, write_floor=hit,
                          options=options)
-
-
-def decode_step(model: Transformer, cache: C.Cache, tokens: Int[Array, "B"], engram_rows: Array):
-    """One token per sequence through every layer (``engram_rows`` [B, 1, L, C])."""
-    b = tokens.shape[0]
-    return forward_chunk(model, cache, tokens[:, None], engram_rows, jnp.ones((b,), jnp.int32))
 
 
 def max_seq_len(cfg: ModelConfig, cache: C.Cache) -> int:

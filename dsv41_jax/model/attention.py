@@ -2,7 +2,9 @@
 
 Every layer computes its own query and its own SWA KV. Main KV and index keys come from the latest KV
 source, top-k from the latest index source, the candidate pool from the candidate source; they flow
-between layers in :class:`Shared`.
+between layers in :class:`Shared`. The keys live in a store (:mod:`dsv41_jax.model.kv_store`): tensors of a
+full-sequence forward in training and scoring, the packed cache in the engine. The role dispatch, the
+indexer, the candidate pool and top-k are decided here, once, whatever the store.
 """
 
 from __future__ import annotations
@@ -12,14 +14,22 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from dsv41_jax import quant
 from dsv41_jax.config import AttentionConfig
 from dsv41_jax.model.compressor import Compressor
-from dsv41_jax.model.documents import Documents, Entries, entries, from_document, to_document, visible
-from dsv41_jax.model.indexer import Indexer, candidate_blocks, expand_blocks, select_topk
+from dsv41_jax.model.documents import from_document, to_document, visible
+from dsv41_jax.model.indexer import (
+    Indexer,
+    block_mask,
+    candidate_block_ids,
+    expand_blocks,
+    gathered_index_scores,
+    select_topk,
+)
 from dsv41_jax.model.indexer_loss import IndexerStats, indexer_stats
+from dsv41_jax.model.kv_store import KVStore, Visibility
 from dsv41_jax.model.layers import Linear, RMSNorm
 from dsv41_jax.model.rope import apply_rope, rope_frequencies
 from dsv41_jax.model.sparse import entry_mass, sparse_attention
@@ -28,31 +38,15 @@ from dsv41_jax.topology import LayerSpec
 
 
 class Shared(NamedTuple):
-    """Cross-layer CSA2 state of one forward (spec attention §1.2, §11)."""
+    """Cross-layer CSA2 state of one forward (spec attention §1.2, §11): the keys, and the selections that flow
+    from index sources to the layers after them."""
 
-    main_kv: Float[Array, "B C H"] | None = None  # post-RoPE, FP4-QDQ'd main KV of the latest KV source
-    index_k: Float[Array, "B C I"] | None = None  # MXFP4-QDQ'd index keys of the latest KV source
-    topk: Int[Array, "B S K"] | None = None  # selection of the latest index source
-    # kept blocks of the candidate source; with documents, block b of a query covers the entries
-    # lo + [b·size, (b+1)·size) counted from its document's first entry (dsv41_jax.model.documents)
-    candidates: Bool[Array, "B S NB"] | None = None
+    kv: KVStore  # main KV and index keys of the KV sources (and, in the engine, every layer's SWA ring)
+    topk: Int[Array, "B S K"] | None = None  # selection of the latest index source (entries, ascending, −1)
+    # kept blocks of the candidate source, ascending, −1 padded; with documents, block b of a query covers the
+    # entries lo + [b·size, (b+1)·size) counted from its document's first entry (dsv41_jax.model.documents)
+    candidates: Int[Array, "B S NB"] | None = None
     indexer: IndexerStats | None = None  # of the index source that just ran, when asked for
-
-
-class PrefixReuse(NamedTuple):
-    """A KV source's global KV from the prefix cache, and each row's hit length (spec §9.4)."""
-
-    main_kv: Float[Array, "B C H"]
-    index_k: Float[Array, "B C I"]
-    hit: Int[Array, "B"]
-
-
-def reuse_prefix(shared: Shared, reuse: PrefixReuse, ratio: int) -> Shared:
-    """Entries whose group ``[j·m, j·m + m)`` ends before the hit come from the prefix cache (§9.4): the
-    replay never rewrites them; a group straddling the hit is written from the replayed rows."""
-    kept = ((jnp.arange(reuse.main_kv.shape[1]) + 1) * ratio <= reuse.hit[:, None])[..., None]  # [B, C, 1]
-    return shared._replace(main_kv=jnp.where(kept, reuse.main_kv, shared.main_kv),
-                           index_k=jnp.where(kept, reuse.index_k, shared.index_k))
 
 
 class Attention(nnx.Module):
@@ -81,56 +75,42 @@ class Attention(nnx.Module):
     def freqs(self):
         return rope_frequencies(self.cfg, self.spec.rope)
 
-    def __call__(self, x: Float[Array, "B S D"], shared: Shared, docs: Documents | None = None, *,
-                 indexer_target: str | None = None, replay_floor: Int[Array, "B"] | None = None,
-                 reuse: PrefixReuse | None = None) -> tuple[Float[Array, "B S D"], Shared]:
-        """Training-mode forward over whole rows.
+    def __call__(self, x: Float[Array, "B S D"], shared: Shared, vis: Visibility | None = None, *,
+                 indexer_target: str | None = None, publish: bool = True) -> tuple[Float[Array, "B S D"], Shared]:
+        """This layer over the rows of ``x``, reading and writing keys through ``shared.kv``.
 
-        Without ``docs`` a row is one sequence starting at position 0. With ``docs`` (packed documents,
-        :mod:`dsv41_jax.model.documents`) no information crosses a document boundary. With
-        ``indexer_target`` (``dense`` | ``topk``) an index source also returns its :class:`IndexerStats`
-        in ``shared.indexer`` (:mod:`dsv41_jax.model.indexer_loss`).
-
-        The served path of post-training (:mod:`dsv41_jax.posttrain.replay`) adds, for unpacked rows: a
-        ``replay_floor`` per row, where every window starts (the engine's bounded replay; the indexer's dense
-        target sees the same truncated window), and on a KV source ``reuse``, the prefix cache's global KV
-        that replaces the entries written before the hit (:func:`reuse_prefix`).
+        ``vis`` (default: one sequence from position 0) says which keys each row may see. With
+        ``indexer_target`` (``dense`` | ``topk``) an index source also returns its :class:`IndexerStats` in
+        ``shared.indexer`` (:mod:`dsv41_jax.model.indexer_loss`). ``publish=False``: a KV source's entries
+        were already written from every row (:meth:`publish`; CED narrowing at the paper's cut).
         """
-        cfg, spec = self.cfg, self.spec
-        b, s, _ = x.shape
-        if docs is not None and (replay_floor is not None or reuse is not None):
-            raise ValueError("Attention: replay_floor and reuse are for unpacked rows (docs=None)")
-        pos = jnp.broadcast_to(jnp.arange(s), (b, s)) if docs is None else docs.positions
-        floor = None if docs is None else docs.start  # window keys of a query start here
-        replay = 0 if replay_floor is None else replay_floor
-        if replay_floor is not None:
-            floor = jnp.broadcast_to(replay_floor[:, None], (b, s))  # for the indexer's dense target
-        q, q_latent = self.query(x, pos)
-        window_kv = self.window_kv(x, pos)
-        sink = self.attn_sink[...]
-        doc_floor = None if docs is None else floor
-        if not spec.compressed:
-            o = sparse_attention(q, window_kv, sink, cfg.window_size, replay_start=replay, key_floor=doc_floor)
-            return self.output(o, pos), shared
-        ent = entries(docs, spec.ratio, b, s)
-        if spec.owns_compressor:
-            shared = self._publish_kv(x, shared, ent)
-            if reuse is not None:
-                shared = reuse_prefix(shared, reuse, spec.ratio)
-        attend = dict(replay_start=replay, key_floor=doc_floor)
-        if not (spec.has_indexer and indexer_target):
+        spec = self.spec
+        vis = Visibility(jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])) if vis is None else vis
+        q, q_latent = self.query(x, vis.pos)
+        window_kv = self.window_kv(x, vis.pos)
+        if spec.compressed:
+            if spec.owns_compressor and publish:
+                shared = self.publish(x, shared, vis)
             if spec.has_indexer:
-                shared = self._select(x, q_latent, pos, shared, ent)[0]
-            o = sparse_attention(q, window_kv, sink, cfg.window_size, shared.main_kv, shared.topk, **attend)
-            return self.output(o, pos), shared
-        shared, scores = self._select(x, q_latent, pos, shared, ent)
-        o, topk_mass = sparse_attention(q, window_kv, sink, cfg.window_size, shared.main_kv, shared.topk,
-                                        return_mass=True, **attend)
-        with jax.named_scope("indexer_loss"):
-            vis = visible(ent, shared.main_kv.shape[1])
-            dense = entry_mass(q, window_kv, sink, cfg.window_size, shared.main_kv, vis, key_floor=floor)
-            stats = indexer_stats(indexer_target, scores, vis, dense, shared.topk, topk_mass)
-        return self.output(o, pos), shared._replace(indexer=stats)
+                shared, scores = self._select(x, q_latent, shared, vis, full_scores=indexer_target is not None)
+        o, mass = self._attend(q, window_kv, shared, vis, with_mass=bool(spec.has_indexer and indexer_target))
+        if mass is not None:
+            shared = shared._replace(indexer=self._indexer_stats(indexer_target, q, window_kv, shared, vis, scores,
+                                                                 mass))
+        shared = shared._replace(kv=shared.kv.write_window(spec, window_kv, vis))
+        return self.output(o, vis.pos), shared
+
+    def publish(self, x: Float[Array, "B S D"], shared: Shared, vis: Visibility) -> Shared:
+        """A KV source's main KV and index keys from the compressor latent, positioned at each group's first
+        token (§3.3, §3.4), handed to the store."""
+        spec = self.spec
+        with jax.named_scope("compressor"):
+            latent, slots, kv = shared.kv.compress(spec, self.compressor, x, vis)  # [B, C, H], pre-RoPE
+        # the indexer reads the latent before RoPE/QDQ, detached: it learns only from its own loss
+        with jax.named_scope("indexer"):
+            index_k = self.indexer.keys(jax.lax.stop_gradient(latent), slots.positions, self.freqs)
+        main_kv = apply_rope(latent, slots.positions, self.freqs, heads=False)
+        return shared._replace(kv=kv.write_entries(spec, main_kv, index_k, slots))
 
     def query(self, x: Float[Array, "B S D"], pos: Int[Array, "B S"]):
         """``(q [B,S,N,H] with RoPE on the trailing lanes, q_latent [B,S,R])`` (spec §3.1)."""
@@ -144,40 +124,83 @@ class Attention(nnx.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x)), pos, self.freqs, heads=False)
         return quant.qdq_fp8_ue8m0(kv) if self.cfg.cache_quant.swa else kv
 
-    def _publish_kv(self, x: jax.Array, shared: Shared, ent: Entries) -> Shared:
-        """Main KV and index keys from the compressor latent, positioned at each group's first token (§3.4)."""
-        with jax.named_scope("compressor"):
-            latent = self.compressor(x, ent.first)  # [B, C, H], pre-RoPE
-        # the indexer reads the latent before RoPE/QDQ, detached: it learns only from its own loss
+    def _select(self, x, q_latent, shared: Shared, vis: Visibility, *, full_scores: bool):
+        """Top-k (and, at the candidate source, the candidate pool) of an index source (spec §3.5, §6)."""
         with jax.named_scope("indexer"):
-            index_k = self.indexer.keys(jax.lax.stop_gradient(latent), ent.positions, self.freqs)
-        main_kv = apply_rope(latent, ent.positions, self.freqs, heads=False)
-        main_kv = quant.qdq_nvfp4(main_kv) if self.cfg.cache_quant.main_kv else main_kv
-        return shared._replace(main_kv=main_kv, index_k=index_k)
+            return self._select_scoped(x, q_latent, shared, vis, full_scores)
 
-    def _select(self, x: jax.Array, q_latent: jax.Array, pos: jax.Array, shared: Shared, ent: Entries
-                ) -> tuple[Shared, jax.Array]:
-        """Top-k (and candidates) of an index source; also returns its scores before candidate restriction."""
-        with jax.named_scope("indexer"):
-            return self._select_scoped(x, q_latent, pos, shared, ent)
-
-    def _select_scoped(self, x, q_latent, pos, shared, ent):
+    def _select_scoped(self, x, q_latent, shared: Shared, vis: Visibility, full_scores: bool):
+        """Returns the new shared state and the scores over every entry before candidate restriction (or
+        ``None`` where only the candidates were scored)."""
         cfg, spec = self.cfg, self.spec
         x, q_latent = jax.lax.stop_gradient((x, q_latent))  # the indexer is detached (indexer_loss)
-        # entry t is visible iff lo ≤ t < hi; hi = (p+1) div m without documents (spec §3.5)
-        scores = self.indexer.scores(x, q_latent, pos, self.freqs, shared.index_k, ent.hi, ent.lo)
-        restricted, t = scores, scores.shape[-1]
+        ent = vis.entries(spec.ratio)
+        # a Reindex layer scores only its candidates where that reads fewer keys than scoring every entry once
+        # (decode); a long chunk scores every entry and masks. Both select the same entries: candidate slots
+        # are in entry order, and ties go to the lower entry either way
+        if spec.uses_candidates and not full_scores and (
+                x.shape[1] * shared.candidates.shape[-1] * cfg.candidate_block_size < shared.kv.n_entries(spec)):
+            iq, w = self.indexer.queries(x, q_latent, vis.pos, self.freqs)
+            return shared._replace(topk=self._topk_in_candidates(iq, w, shared, ent)), None
+        keys = shared.kv.index_keys(spec, x.dtype)  # MXFP4 values: exact in the activation dtype
+        scores = self.indexer.scores(x, q_latent, vis.pos, self.freqs, keys, ent.hi, ent.lo)  # −∞ unless lo ≤ t < hi
+        restricted = scores
         if spec.candidate_source:
             own = scores if ent.lo is None else to_document(scores, ent.lo, -jnp.inf)
             n_own = ent.hi if ent.lo is None else ent.hi - ent.lo
-            blocks = candidate_blocks(own, n_own, cfg.candidate_block_size, cfg.candidate_topk_blocks,
-                                      backend=cfg.kernel_backend)
-            shared = shared._replace(candidates=blocks)
+            shared = shared._replace(candidates=candidate_block_ids(
+                own, n_own, cfg.candidate_block_size, cfg.candidate_topk_blocks, backend=cfg.kernel_backend))
         if spec.uses_candidates:
-            allowed = expand_blocks(shared.candidates, cfg.candidate_block_size, t)
+            nb = -(-keys.shape[1] // cfg.candidate_block_size)
+            allowed = expand_blocks(block_mask(shared.candidates, nb), cfg.candidate_block_size, keys.shape[1])
             allowed = allowed if ent.lo is None else from_document(allowed, ent.lo, False)
             restricted = jnp.where(allowed, scores, -jnp.inf)
         return shared._replace(topk=select_topk(restricted, cfg.index_topk, ent.hi, ent.lo)), scores
+
+    def _topk_in_candidates(self, iq, w, shared: Shared, ent) -> Int[Array, "B S K"]:
+        """Top-k among the candidate pool's entries only, so a Reindex layer's cost does not grow with context.
+
+        Kept blocks are ascending, so candidate slot order is entry order and ``lax.top_k`` breaks ties
+        towards the lower entry exactly as the full masked scan does.
+        """
+        cfg = self.cfg
+        bs, blocks = cfg.candidate_block_size, shared.candidates
+        lo = 0 if ent.lo is None else ent.lo[..., None]
+        idx = (lo + blocks[..., None] * bs + jnp.arange(bs)).reshape(*blocks.shape[:2], -1)  # [B, S, NB·bs]
+        ok = jnp.repeat(blocks >= 0, bs, axis=-1) & (idx < ent.hi[..., None])
+        keys = shared.kv.index_keys_at(self.spec, jnp.where(ok, idx, 0), iq.dtype)
+        scores = jnp.where(ok, gathered_index_scores(iq, w, keys), -jnp.inf)
+        _, j = jax.lax.top_k(scores, min(cfg.index_topk, scores.shape[-1]))
+        sel = jnp.take_along_axis(jnp.where(ok, idx, -1), j, axis=-1)
+        sel = jnp.sort(jnp.where(sel >= 0, sel, jnp.iinfo(jnp.int32).max), axis=-1)
+        return jnp.where(sel < ent.hi[..., None], sel, -1).astype(jnp.int32)
+
+    def _attend(self, q, window_kv, shared: Shared, vis: Visibility, *, with_mass: bool):
+        """The sparse attention core, the layer's one call of it: window keys (this forward's and the store's),
+        the selected compressed entries and the sink in one softmax (spec §3.6). Returns ``(o, mass)``."""
+        spec = self.spec
+        prefix_kv, prefix_pos = shared.kv.window(spec, q.dtype)
+        compressed_kv = picked = topk = None
+        if spec.compressed:
+            topk = shared.topk
+            compressed_kv, picked = shared.kv.attended_entries(spec, topk, q.dtype)
+        out = sparse_attention(q, window_kv, self.attn_sink[...], self.cfg.window_size, compressed_kv, topk,
+                               vis.floor, start=vis.start, prefix_kv=prefix_kv, prefix_pos=prefix_pos,
+                               picked=picked, key_floor=vis.key_floor, return_mass=with_mass)
+        return out if with_mass else (out, None)
+
+    def _indexer_stats(self, target: str, q, window_kv, shared: Shared, vis: Visibility, scores, topk_mass
+                       ) -> IndexerStats:
+        """The indexer's training signal against the main attention over every visible entry (§3.6)."""
+        with jax.named_scope("indexer_loss"):
+            ent = vis.entries(self.spec.ratio)
+            main_kv = shared.kv.main_kv(self.spec, q.dtype)
+            vis_mask = visible(ent, main_kv.shape[1])
+            floor = vis.key_floor  # the documents' starts, or the window floor (bounded replay, CED)
+            floor = jnp.broadcast_to(jnp.asarray(vis.floor)[..., None], vis.pos.shape) if floor is None else floor
+            dense = entry_mass(q, window_kv, self.attn_sink[...], self.cfg.window_size, main_kv, vis_mask,
+                               key_floor=floor)
+            return indexer_stats(target, scores, vis_mask, dense, shared.topk, topk_mass)
 
     def output(self, o: Float[Array, "B S N H"], pos: jax.Array) -> Float[Array, "B S D"]:
         """Inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b`` (spec §3.7)."""

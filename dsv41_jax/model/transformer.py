@@ -14,6 +14,7 @@ from dsv41_jax.model.attention import Attention, Shared
 from dsv41_jax.model.documents import Documents, documents
 from dsv41_jax.model.engram import Engram
 from dsv41_jax.model.indexer_loss import TARGETS, IndexerStats
+from dsv41_jax.model.kv_store import DenseKV, PrefixReuse, Visibility
 from dsv41_jax.model.layers import RMSNorm, normal
 from dsv41_jax.model.mhc import collapse, expand, hc_mixes, hc_params
 from dsv41_jax.model.moe import MoE, Routing
@@ -39,25 +40,16 @@ class Block(nnx.Module):
         self.mhc, self.norm_eps, self.spec = cfg.mhc, cfg.norm_eps, spec
 
     def __call__(self, x: Float[Array, "B S M D"], pre: Float[Array, "B S M"], shared: Shared,
-                 is_image: Bool[Array, "B S"] | None, docs: Documents | None = None, *,
-                 indexer_target: str | None = None):
-        def attend(u):
-            return self.attn(u, shared, docs, indexer_target=indexer_target)
-
-        return self.run(x, pre, attend, is_image)
-
-    def run(self, x: Float[Array, "B S M D"], pre: Float[Array, "B S M"], attend, is_image: Bool[Array, "B S"] | None):
-        """The block with its attention given as ``attend(u) -> (y, state)``; returns ``(x, pre, state, routing)``.
-
-        Training calls attention on a whole sequence; the engine passes a cache-reading step instead.
-        """
+                 is_image: Bool[Array, "B S"] | None, vis: Visibility | None = None, *,
+                 indexer_target: str | None = None, publish: bool = True):
+        """Returns ``(x, pre, shared, routing)``; ``pre`` is the pre-mix the next site reads."""
         # named scopes: a profile or HLO dump attributes each op to mhc / attention (/ indexer) / moe
         with jax.named_scope("mhc"):
             a_pre, a_post, a_comb = hc_mixes(x, self.hc_attn_fn[...], self.hc_attn_base[...],
                                              self.hc_attn_scale[...], self.mhc, self.norm_eps)
             u = self.attn_norm(collapse(x, pre))  # pre from the previous site
         with jax.named_scope("attention"):
-            y, state = attend(u)
+            y, shared = self.attn(u, shared, vis, indexer_target=indexer_target, publish=publish)
         with jax.named_scope("mhc"):
             x = expand(y, x, a_post, a_comb)
             f_pre, f_post, f_comb = hc_mixes(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...],
@@ -67,7 +59,12 @@ class Block(nnx.Module):
             y, routing = self.ffn(u, is_image)
         with jax.named_scope("mhc"):
             x = expand(y, x, f_post, f_comb)
-        return x, f_pre, state, routing
+        return x, f_pre, shared, routing
+
+    def publish(self, x: Float[Array, "B S M D"], pre: Float[Array, "B S M"], shared: Shared, vis: Visibility
+                ) -> Shared:
+        """Only the global KV of a KV source (its compressor over every row), not the rest of the block."""
+        return self.attn.publish(self.attn_norm(collapse(x, pre)), shared, vis)
 
 
 class Embedding(nnx.Module):
@@ -113,52 +110,157 @@ class Transformer(nnx.Module):
         (:mod:`dsv41_jax.model.indexer_loss`). ``remat`` rematerialises each block in the backward pass:
         ``none``, ``block`` (save only the block inputs) or ``dots`` (save the matmul outputs).
         """
-        h = jnp.take(self.embed.weight[...], tokens, axis=0).astype(self.cfg.dtype)
-        return self.forward_embeddings(h, engram_rows, is_image, segment_ids=segment_ids, positions=positions,
-                                       return_aux=return_aux, indexer_target=indexer_target, remat=remat)
+        return self.forward_embeddings(self.embed_tokens(tokens), engram_rows, is_image, segment_ids=segment_ids,
+                                       positions=positions, return_aux=return_aux, indexer_target=indexer_target,
+                                       remat=remat)
 
     def forward_embeddings(self, h: Float[Array, "B S D"], engram_rows: Int[Array, "B S L C"] | None = None,
                            is_image: Bool[Array, "B S"] | None = None, *,
                            segment_ids: Int[Array, "B S"] | None = None, positions: Int[Array, "B S"] | None = None,
                            return_aux: bool = False, indexer_target: str | None = None, remat: str = "none"):
         """The forward from input embeddings (image rows already merged in); arguments as :meth:`__call__`."""
-        cfg = self.cfg
-        if cfg.engram.layer_ids and engram_rows is None:
-            raise ValueError("this config has Engram layers: pass engram_rows [B, S, n_engram_layers, columns] "
-                             "from dsv41_jax.engram_hash")
+        self.check_engram_rows(engram_rows)
         b, s, _ = h.shape
         docs = _documents(segment_ids, positions, (b, s))
-        run_block = _block_runner(remat, indexer_target)
+        vis = Visibility(jnp.broadcast_to(jnp.arange(s), (b, s)) if docs is None else docs.positions, docs=docs)
+        x, pre = self.streams(h)
+        x, pre, _, _, trace = self.run_layers(x, pre, self.dense_shared(), vis, engram_rows=engram_rows,
+                                              is_image=is_image, collect=return_aux,
+                                              schedule=Schedule(remat=remat, indexer_target=indexer_target))
+        logits = self.logits(x, pre)
+        if not return_aux:
+            return logits
+        main_hidden = jnp.concatenate(trace.targets, axis=-1) if trace.targets else None
+        return logits, Aux(trace.routing, trace.streams, trace.pre, trace.shared, main_hidden, trace.indexer)
+
+    # -- the pieces every forward is made of: training, the engine (dsv41_jax.engine.step) and the served
+    # -- post-training forward (dsv41_jax.posttrain.replay)
+
+    def embed_tokens(self, tokens: Int[Array, "B S"]) -> Float[Array, "B S D"]:
+        return jnp.take(self.embed.weight[...], tokens, axis=0).astype(self.cfg.dtype)
+
+    def check_engram_rows(self, engram_rows) -> None:
+        if self.cfg.engram.layer_ids and engram_rows is None:
+            raise ValueError("this config has Engram layers: pass engram_rows [B, S, n_engram_layers, columns] "
+                             "from dsv41_jax.engram_hash")
+
+    def streams(self, h: Float[Array, "B S D"]) -> tuple[Float[Array, "B S M D"], Float[Array, "B S M"]]:
+        """The M residual streams, each a copy of the embedding, and the first site's pre-mix (stream 0)."""
+        cfg = self.cfg
+        b, s, _ = h.shape
         m = cfg.mhc.hc_mult
         x = jnp.broadcast_to(h.astype(cfg.dtype)[:, :, None, :], (b, s, m, cfg.dim))
-        pre = jnp.broadcast_to(jax.nn.one_hot(0, m, dtype=jnp.float32), (b, s, m))  # first site selects stream 0
-        x, pre = constrain_batch((x, pre))
-        shared = Shared()
-        routing, streams, pres, shareds, targets, stats = [], [], [], [], [], []
+        pre = jnp.broadcast_to(jax.nn.one_hot(0, m, dtype=jnp.float32), (b, s, m))
+        return constrain_batch((x, pre))
+
+    def dense_shared(self, reuse: PrefixReuse | None = None) -> Shared:
+        """The CSA2 state of a full-sequence forward: entries in memory, fake-quantised per ``cache_quant``."""
+        return Shared(DenseKV(reuse=reuse, qdq_main=self.cfg.attention.cache_quant.main_kv))
+
+    def logits(self, x: Float[Array, "B S M D"], pre: Float[Array, "B S M"],
+               rows: Int[Array, "B"] | None = None) -> Float[Array, "B S V"]:
+        """Final collapse, norm and the fp32 head; only row ``rows[b]`` of each sequence when given ([B, V])."""
+        with jax.named_scope("head"):
+            out = self.norm(collapse(x, pre))
+            if rows is not None:
+                out = jnp.take_along_axis(out, rows[:, None, None], axis=1)[:, 0]
+            return jnp.einsum("...d,vd->...v", out.astype(jnp.float32), self.head.weight[...].astype(jnp.float32),
+                              precision="highest")
+
+    def run_layers(self, x: Float[Array, "B S M D"], pre: Float[Array, "B S M"], shared: Shared, vis: Visibility, *,
+                   engram_rows: Int[Array, "B S L C"] | None = None, is_image: Bool[Array, "B S"] | None = None,
+                   schedule: Schedule | None = None, floor: Int[Array, "B"] | None = None, collect: bool = False):
+        """The stack: Engram, then the block, layer after layer, with the CSA2 state flowing through ``shared``.
+
+        The one loop over the blocks of every forward (training over ``DenseKV``, the engine's chunks over
+        ``PackedKV``, the served post-training forward). ``schedule`` says which layers run over which rows
+        (CED, bounded replay); ``floor`` is the window floor of ``schedule.truncate``. Returns ``(x, pre,
+        shared, vis, trace)``: streams, pre-mix and visibility of the rows the last layer ran on (CED narrows
+        them) and a :class:`Trace` (streams, pre-mixes and states per layer only with ``collect``).
+        """
+        cfg, sch = self.cfg, Schedule() if schedule is None else schedule
+        run_block = _block_runner(sch.remat, sch.indexer_target)
+        t = Trace((), {}, (), (), (), (), ())
         for i, block in enumerate(self.layers):
+            publish = True
+            if sch.stop is not None and i >= sch.stop:
+                if block.spec.owns_compressor:  # e.g. the paper's CED cut: its compressor still sees every row
+                    shared = block.publish(x, pre, shared, vis)
+                break
+            if sch.narrow is not None and i == sch.narrow and x.shape[1] > cfg.attention.window_size:
+                if block.spec.owns_compressor:  # the paper's cut: its compressor still sees every row
+                    shared, publish = block.publish(x, pre, shared, vis), False
+                x, pre, is_image, shared, vis = _narrow(x, pre, is_image, shared, vis, cfg.attention.window_size,
+                                                        sch.truncate_narrowed)
+            if sch.truncate is not None and i == sch.truncate:
+                vis = vis.with_floor(jnp.maximum(vis.floor, floor))
             if block.spec.engram:
                 with jax.named_scope("engram"):
                     x = block.engram(x, engram_rows[:, :, cfg.engram.layer_ids.index(i)], is_image)
-            if i in cfg.dspark.target_layer_ids:
-                targets.append(x.astype(jnp.float32).mean(axis=2).astype(x.dtype))
-            x, pre, shared, r = run_block(block, x, pre, shared, is_image, docs)
+            if collect and i in cfg.dspark.target_layer_ids:
+                t = t._replace(targets=t.targets + (x.astype(jnp.float32).mean(axis=2).astype(x.dtype),))
+            x, pre, shared, r = run_block(block, x, pre, shared, is_image, vis, publish)
             # block boundary: streams and the CSA2 state a later layer reads (main KV, index keys, top-k,
             # candidates) stay split over the batch, so sharing never gathers the batch onto one device
             x, pre, shared = constrain_batch((x, pre, shared))
+            t = t._replace(routing=t.routing + (r,))
+            if block.spec.has_indexer:
+                t.selections[i] = shared.topk
             if shared.indexer is not None:
-                stats.append(shared.indexer)
+                t = t._replace(indexer=t.indexer + (shared.indexer,))
                 shared = shared._replace(indexer=None)
-            routing.append(r)
-            if return_aux:
-                streams.append(x), pres.append(pre), shareds.append(shared)
-        with jax.named_scope("head"):
-            out = self.norm(collapse(x, pre))
-            logits = jnp.einsum("bsd,vd->bsv", out.astype(jnp.float32), self.head.weight[...].astype(jnp.float32),
-                                precision="highest")
-        if not return_aux:
-            return logits
-        main_hidden = jnp.concatenate(targets, axis=-1) if targets else None
-        return logits, Aux(tuple(routing), tuple(streams), tuple(pres), tuple(shareds), main_hidden, tuple(stats))
+            if collect:
+                t = t._replace(streams=t.streams + (x,), pre=t.pre + (pre,), shared=t.shared + (shared,))
+        return x, pre, shared, vis, t
+
+
+class Schedule(NamedTuple):
+    """Which layers run over which rows (spec attention §9). Static: part of the compiled program.
+
+    ``stop``: layers from this one on do not run; a KV source here still writes its global KV from every row
+    (a CED prefill chunk that is not the last; the post-training prefix pass). ``narrow`` (CED): layers from
+    this one on run only on each sequence's last ``window`` valid rows, their windows truncated at the first
+    kept row unless ``truncate_narrowed`` is off; a KV source here writes its global KV from every row first
+    (the paper's cut). ``truncate``: layers from this one on see no window key below the ``floor`` given to
+    :meth:`Transformer.run_layers`, every row computed (the served training forward; CED's exact oracle).
+    ``remat`` (none | block | dots) rematerialises each block in the backward pass; ``indexer_target``
+    asks each index source for its :class:`IndexerStats`.
+    """
+
+    stop: int | None = None
+    narrow: int | None = None
+    truncate_narrowed: bool = True
+    truncate: int | None = None
+    remat: str = "none"
+    indexer_target: str | None = None
+
+
+class Trace(NamedTuple):
+    """What :meth:`Transformer.run_layers` saw, layer by layer."""
+
+    routing: tuple[Routing, ...]  # every layer that ran
+    selections: dict[int, Int[Array, "B S K"]]  # top-k of each index source that ran, by layer
+    indexer: tuple[IndexerStats, ...]  # one per index source, with an indexer target
+    streams: tuple[jax.Array, ...]  # with collect: residual streams after each block [B, S, M, D]
+    pre: tuple[jax.Array, ...]  # with collect: the pre-mix each block hands on [B, S, M]
+    shared: tuple[Shared, ...]  # with collect: the CSA2 state after each block
+    targets: tuple[jax.Array, ...]  # with collect: DSpark target features, one [B, S, D] per target layer
+
+
+def _narrow(x, pre, is_image, shared: Shared, vis: Visibility, keep: int, truncate: bool):
+    """CED: each sequence's last ``keep`` valid rows (rows before the first are clipped and marked invalid)."""
+    n_new = vis.valid.sum(-1)
+    offset = n_new[:, None] - keep + jnp.arange(keep)[None]  # [B, keep]
+    idx = jnp.maximum(offset, 0)
+
+    def take(a):
+        return None if a is None else jnp.take_along_axis(a, idx.reshape(*idx.shape, *([1] * (a.ndim - 2))), axis=1)
+
+    pos = take(vis.pos)
+    floor = jnp.maximum(vis.floor, pos[:, 0]) if truncate else vis.floor
+    vis = vis._replace(pos=pos, valid=offset >= 0, floor=floor)
+    shared = shared._replace(topk=take(shared.topk), candidates=take(shared.candidates))
+    return take(x), take(pre), take(is_image), shared, vis
 
 
 REMAT = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
@@ -166,23 +268,24 @@ REMAT = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
 
 
 def _block_runner(remat: str, indexer_target: str | None):
-    """``f(block, x, pre, shared, is_image, docs)`` running one block, rematerialised per ``remat``."""
+    """``f(block, x, pre, shared, is_image, vis, publish)`` running one block, rematerialised per ``remat``."""
     if remat not in REMAT:
         raise ValueError(f"remat must be one of {sorted(REMAT)}, got {remat!r}")
     if indexer_target is not None and indexer_target not in TARGETS:
         raise ValueError(f"indexer_target must be None or one of {TARGETS}, got {indexer_target!r}")
 
-    def run(block, x, pre, shared, is_image, docs):
-        return block(x, pre, shared, is_image, docs, indexer_target=indexer_target)
+    def run(block, x, pre, shared, is_image, vis, publish):
+        return block(x, pre, shared, is_image, vis, indexer_target=indexer_target, publish=publish)
 
     if remat == "none":
         return run
 
-    def rematerialised(block, *args):
+    def rematerialised(block, x, pre, shared, is_image, vis, publish):
         # a pure function of the block's state: nnx.remat would also write the state back, and the router
         # biases may belong to an outer trace (they are not differentiated)
         graphdef, state = nnx.split(block)
-        return jax.checkpoint(lambda st, *a: run(nnx.merge(graphdef, st), *a), policy=REMAT[remat])(state, *args)
+        body = lambda st, *a: run(nnx.merge(graphdef, st), *a, publish)
+        return jax.checkpoint(body, policy=REMAT[remat])(state, x, pre, shared, is_image, vis)
 
     return rematerialised
 

@@ -18,6 +18,9 @@ flow through every approximation (fake-quant has straight-through gradients):
 2. every layer runs over every row with a per-layer window floor (``h − W`` before the cut, ``N − W`` from
    it on), and each KV source's entries that end before ``h`` are replaced by pass 1's.
 
+Both passes are the model's own stack (:meth:`~dsv41_jax.model.transformer.Transformer.run_layers`) over its
+dense store; the floors and the prefix are arguments of it (its ``Schedule``, ``Visibility`` and ``PrefixReuse``).
+
 Rows the engine never computes (before ``h − W``, or before ``N − W`` from the cut on) are computed too, but
 nothing live reads them: windows start at the floor, and their global KV is replaced by pass 1's. Rows at
 and after the floor, and hence the response logits, are exactly the engine's (``tests/posttrain``).
@@ -33,10 +36,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from dsv41_jax.model.attention import PrefixReuse, Shared
-from dsv41_jax.model.documents import entries
-from dsv41_jax.model.mhc import collapse
-from dsv41_jax.model.transformer import Transformer
+from dsv41_jax.model.kv_store import PrefixReuse, Visibility
+from dsv41_jax.model.transformer import Schedule, Transformer
 
 
 class ServePlan(NamedTuple):
@@ -64,84 +65,52 @@ def layer_floors(n_layers: int, cut: int | None, enc: Array, dec: Array) -> list
     return [enc if cut is None or i < cut else dec for i in range(n_layers)]
 
 
-def _start(model: Transformer, tokens: Int[Array, "B S"]):
-    cfg = model.cfg
-    b, s = tokens.shape
-    h = jnp.take(model.embed.weight[...], tokens, axis=0).astype(cfg.dtype)
-    x = jnp.broadcast_to(h[:, :, None, :], (b, s, cfg.mhc.hc_mult, cfg.dim))
-    pre = jnp.broadcast_to(jax.nn.one_hot(0, cfg.mhc.hc_mult, dtype=jnp.float32), (b, s, cfg.mhc.hc_mult))
-    return x, pre
-
-
-def _engram(model: Transformer, i: int, x, engram_rows, is_image):
-    block = model.layers[i]
-    if not block.spec.engram:
-        return x
-    return block.engram(x, engram_rows[:, :, model.cfg.engram.layer_ids.index(i)], is_image)
-
-
 def prefix_global_kv(model: Transformer, tokens: Int[Array, "B S"], engram_rows: Array | None,
                      is_image: Bool[Array, "B S"] | None = None) -> PrefixKV:
     """Pass 1: the exact training forward up to the last KV source, keeping every source's global KV."""
-    last = max(model.cfg.attention.kv_source_layers)
-    x, pre = _start(model, tokens)
-    shared, main, index = Shared(), [], []
-    for i, block in enumerate(model.layers[: last + 1]):
-        x = _engram(model, i, x, engram_rows, is_image)
-        if i == last:  # only its compressor is needed
-            u = block.attn_norm(collapse(x, pre))
-            ent = entries(None, block.spec.ratio, u.shape[0], u.shape[1])
-            shared = block.attn._publish_kv(u, shared, ent)
-        else:
-            x, pre, shared, _ = block(x, pre, shared, is_image)
-        if block.spec.owns_compressor:
-            main.append(shared.main_kv)
-            index.append(shared.index_k)
-    return PrefixKV(tuple(main), tuple(index))
+    sources = model.cfg.attention.kv_source_layers
+    model.check_engram_rows(engram_rows)
+    x, pre = model.streams(model.embed_tokens(tokens))
+    vis = Visibility(jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
+    # the last source runs its compressor only; the collected states hold the earlier sources' entries
+    _, _, last, _, trace = model.run_layers(x, pre, model.dense_shared(), vis, engram_rows=engram_rows,
+                                            is_image=is_image, schedule=Schedule(stop=sources[-1]), collect=True)
+    kv = [trace.shared[layer].kv for layer in sources[:-1]] + [last.kv]
+    return PrefixKV(tuple(k.main for k in kv), tuple(k.index for k in kv))
 
 
 def served_forward(model: Transformer, tokens: Int[Array, "B S"], engram_rows: Array | None, plan: ServePlan, *,
                    cut: int | None, prefix: PrefixKV | None = None, is_image: Bool[Array, "B S"] | None = None,
-                   indexer_target: str | None = None):
+                   indexer_target: str | None = None, remat: str = "none"):
     """fp32 logits of every row as the engine serves them, the routing of every layer, and each layer's
     window floor (rows before it are not computed by the engine: mask them out of routing statistics).
     With ``indexer_target`` (``dense`` | ``topk``) a fourth item: the
     :class:`~dsv41_jax.model.indexer_loss.IndexerStats` of every index
-    source (``index_source_layers`` order) over the served path (``Attention.__call__`` with a replay floor).
+    source (``index_source_layers`` order) over the served path (the layers' windows floored as served).
 
     ``cut`` is the CED cut layer (``engine.default_ced_cut``; ``None``: no decoder replay). ``prefix`` is
     pass 1's :func:`prefix_global_kv` (computed here when ``None`` and a row has a hit: pass it in to reuse).
+    ``remat`` rematerialises each block in the backward pass, as in the training forward.
     """
     cfg = model.cfg
-    if cfg.engram.layer_ids and engram_rows is None:
-        raise ValueError("this config has Engram layers: pass engram_rows [B, S, n_engram_layers, columns]")
+    model.check_engram_rows(engram_rows)
     if prefix is None:
         prefix = prefix_global_kv(model, tokens, engram_rows, is_image)
-    enc, dec = window_floors(plan, cfg.attention.window_size, cut is not None)
+    w = cfg.attention.window_size
+    enc, dec = window_floors(plan, w, cut is not None)
+    layers = cfg.attention.kv_source_layers
+    reuse = PrefixReuse(dict(zip(layers, prefix.main_kv, strict=True)), dict(zip(layers, prefix.index_k, strict=True)),
+                        plan.hit)
+    x, pre = model.streams(model.embed_tokens(tokens))
+    vis = Visibility(jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), enc)
+    x, pre, _, _, trace = model.run_layers(
+        x, pre, model.dense_shared(reuse), vis, engram_rows=engram_rows, is_image=is_image,
+        schedule=Schedule(truncate=cut, remat=remat, indexer_target=indexer_target), floor=plan.prompt_len - w)
+    logits = model.logits(x, pre)
     floors = layer_floors(cfg.n_layers, cut, enc, dec)
-    sources = {layer: (m, k) for layer, m, k in zip(cfg.attention.kv_source_layers, prefix.main_kv,
-                                                      prefix.index_k, strict=True)}
-    x, pre = _start(model, tokens)
-    shared, routing, stats = Shared(), [], []
-    for i, block in enumerate(model.layers):
-        x = _engram(model, i, x, engram_rows, is_image)
-        kv = sources.get(i)
-
-        def attend(u, attn=block.attn, shared=shared, floor=floors[i], kv=kv):
-            reuse = None if kv is None else PrefixReuse(*kv, plan.hit)
-            return attn(u, shared, indexer_target=indexer_target, replay_floor=floor, reuse=reuse)
-
-        x, pre, shared, r = block.run(x, pre, attend, is_image)
-        routing.append(r)
-        if shared.indexer is not None:
-            stats.append(shared.indexer)
-            shared = shared._replace(indexer=None)
-    out = model.norm(collapse(x, pre))
-    logits = jnp.einsum("bsd,vd->bsv", out.astype(jnp.float32), model.head.weight[...].astype(jnp.float32),
-                        precision="highest")
     if indexer_target is not None:
-        return logits, tuple(routing), floors, tuple(stats)
-    return logits, tuple(routing), floors
+        return logits, trace.routing, floors, trace.indexer
+    return logits, trace.routing, floors
 
 
 def draw_hits(key: Array, prompt_len: Int[Array, "B"], window: int, granularity: int, prob: float) -> Int[Array, "B"]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv41_jax.model import Attention, Shared
+from dsv41_jax.model import Attention, DenseKV, Shared, Visibility
 from dsv41_jax.model.documents import documents
 from dsv41_jax.topology import layer_spec
 
@@ -42,7 +42,8 @@ def _forward(attn: Attention, x, seg, target: str):
     def run(state, x, seg):
         attn = nnx.merge(graphdef, state)
         docs = documents(seg)
-        _, shared = attn(x, Shared(), docs, indexer_target=target)
+        vis = Visibility(docs.positions, docs=docs)
+        _, shared = attn(x, Shared(DenseKV(qdq_main=attn.cfg.cache_quant.main_kv)), vis, indexer_target=target)
         q, q_latent = attn.query(x, docs.positions)
         iq, w = attn.indexer.queries(x, q_latent, docs.positions, attn.freqs)
         return shared.indexer.kl.sum(), (shared, (q, attn.window_kv(x, docs.positions), iq, w))
@@ -63,8 +64,8 @@ def _oracle(attn: Attention, seg, shared: Shared, inputs, target: str):
     """(kl, agreement) per query in float64 from the layer's own q, window KV, main KV and index q/k/w."""
     cfg, m = attn.cfg, attn.spec.ratio
     q, win, iq, w = (np.asarray(a, np.float64)[0] for a in inputs)
-    ik = np.asarray(shared.index_k, np.float64)[0]
-    main = np.asarray(shared.main_kv, np.float64)[0]
+    ik = np.asarray(shared.kv.index, np.float64)[0]
+    main = np.asarray(shared.kv.main, np.float64)[0]
     sink = np.asarray(attn.attn_sink[...], np.float64)
     topk = np.asarray(shared.topk)[0]
     scale = cfg.head_dim ** -0.5

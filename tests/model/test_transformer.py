@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv41_jax.model import Shared, Transformer
+from dsv41_jax.model import DenseKV, Shared, Transformer
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_reuse_layers_use_their_sources_state(tiny_model, tiny_cfg):
         assert not hasattr(block.attn, "indexer") and not hasattr(block.attn, "compressor")
         after = aux.shared[spec.layer]
         np.testing.assert_array_equal(after.topk, aux.shared[spec.topk_source].topk)
-        np.testing.assert_array_equal(after.main_kv, aux.shared[spec.kv_source].main_kv)
+        np.testing.assert_array_equal(after.kv.main, aux.shared[spec.kv_source].kv.main)
 
 
 def test_reuse_attention_reads_the_shared_selection(tiny_model, tiny_cfg):
@@ -90,10 +90,10 @@ def test_reuse_attention_reads_the_shared_selection(tiny_model, tiny_cfg):
     pos = np.arange(s)
     pick = np.sort(rng.permuted(np.tile(np.arange(s), (s, 1)), axis=1)[:, :16], axis=1)
     pick = np.where(pick <= pos[:, None], pick, -1)[None].astype(np.int32)
-    y1, _ = block.attn(x, Shared(main_kv=kv, topk=jnp.asarray(pick)))
-    y2, _ = block.attn(x, Shared(main_kv=kv, topk=jnp.asarray(np.where(pick >= 0, pick // 2, -1))))
+    y1, _ = block.attn(x, Shared(DenseKV(main=kv), topk=jnp.asarray(pick)))
+    y2, _ = block.attn(x, Shared(DenseKV(main=kv), topk=jnp.asarray(np.where(pick >= 0, pick // 2, -1))))
     assert float(jnp.abs(y1 - y2).max()) > 1e-3  # the selection matters ...
-    y3, _ = block.attn(x, Shared(main_kv=kv, topk=jnp.asarray(pick[:, :, ::-1].copy())))
+    y3, _ = block.attn(x, Shared(DenseKV(main=kv), topk=jnp.asarray(pick[:, :, ::-1].copy())))
     np.testing.assert_allclose(np.asarray(y1), np.asarray(y3), rtol=1e-5, atol=1e-6)  # ... its order does not
 
 

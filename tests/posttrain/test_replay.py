@@ -15,8 +15,8 @@ import pytest
 from posttrain_testing import HITS, conversation_batch
 
 from dsv41_jax.engine import default_ced_cut
-from dsv41_jax.model.attention import Shared
 from dsv41_jax.model.documents import documents
+from dsv41_jax.model.kv_store import Visibility
 from dsv41_jax.posttrain.evaluate import engine_logits, response_mask, sim_logits
 from dsv41_jax.posttrain.replay import draw_hits
 from dsv41_jax.scoring import row_rel_l2
@@ -61,7 +61,6 @@ def test_draw_hits_is_uniform_over_page_boundaries_in_the_prompt():
 
 def test_a_replay_floor_is_refused_with_packed_documents(mini_model):
     """The served path's window floor and prefix reuse are per row: packed documents have their own floors."""
-    x = jnp.zeros((1, 8, mini_model.cfg.dim))
     docs = documents(jnp.ones((1, 8), jnp.int32))
-    with pytest.raises(ValueError, match="replay_floor and reuse are for unpacked rows"):
-        mini_model.layers[0].attn(x, Shared(), docs, replay_floor=jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="packed documents .* have their own windows"):
+        Visibility(docs.positions, docs=docs).with_floor(jnp.zeros((1,), jnp.int32))

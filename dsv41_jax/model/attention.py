@@ -209,5 +209,5 @@ class Attention(nnx.Module):
         o = apply_rope(o, pos, self.freqs, heads=True, inverse=True)
         og = o.reshape(b, s, cfg.o_groups, -1)  # group g = heads [g·N/G, (g+1)·N/G)
         wo_a = self.wo_a.weight[...].astype(o.dtype).reshape(cfg.o_groups, cfg.o_lora_rank, -1)
-        u = jnp.einsum("bsgi,gri->bsgr", og, wo_a, preferred_element_type=jnp.float32).astype(o.dtype)
+        u = jnp.einsum("bsox,orx->bsor", og, wo_a, preferred_element_type=jnp.float32).astype(o.dtype)
         return self.wo_b(u.reshape(b, s, -1))

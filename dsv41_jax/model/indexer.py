@@ -64,15 +64,15 @@ class Indexer(nnx.Module):
 def index_scores(iq: Float[Array, "B S N I"], w: Float[Array, "B S N"], keys: Float[Array, "B T I"]
                  ) -> Float[Array, "B S T"]:
     """``Σ_h w_h·ReLU(q_h·k_t)`` for every key (spec attention §3.5), fp32."""
-    dots = jnp.einsum("bshd,btd->bsht", iq, keys.astype(iq.dtype), preferred_element_type=jnp.float32)
-    return jnp.einsum("bsh,bsht->bst", w, jax.nn.relu(dots))
+    dots = jnp.einsum("bsni,bti->bsnt", iq, keys.astype(iq.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("bsn,bsnt->bst", w, jax.nn.relu(dots))
 
 
 def gathered_index_scores(iq: Float[Array, "B S N I"], w: Float[Array, "B S N"], keys: Float[Array, "B S K I"]
                           ) -> Float[Array, "B S K"]:
     """The same score against a per-query set of keys (Reindex layers scoring only their candidates)."""
-    dots = jnp.einsum("bshd,bskd->bshk", iq, keys.astype(iq.dtype), preferred_element_type=jnp.float32)
-    return jnp.einsum("bsh,bshk->bsk", w, jax.nn.relu(dots))
+    dots = jnp.einsum("bsni,bski->bsnk", iq, keys.astype(iq.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("bsn,bsnk->bsk", w, jax.nn.relu(dots))
 
 
 def candidate_block_ids(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,

@@ -4,6 +4,10 @@ K = V = the ``H``-wide latent (MQA: all ``N`` query heads share it). The window 
 of ``W`` queries against their own and the previous chunk (no per-query copy of the window), the compressed
 part gathers the top-k entries per query. No [S, T] mask is built; :func:`dense_attention` is the oracle
 that does build it, for tests only.
+
+:func:`sparse_attention` is the core that :class:`~dsv41_jax.model.attention.Attention` calls, once, for every
+store and role: the XLA reference that a kernel behind ``attention.kernel_backend`` replaces. Letters as in
+``docs/dims.md``; ``Q`` counts the blocks of ``W`` queries, ``T`` a block's band of keys.
 """
 
 from __future__ import annotations
@@ -22,14 +26,14 @@ def _pad_seq(x: jax.Array, length: int, value=0) -> jax.Array:
 
 
 def _band_keys(n_chunks: int, block: int) -> jax.Array:
-    """[c, K] chunk-local position of each key of block c's band: the previous block (if any) + its own."""
+    """[Q, T] chunk-local position of each key of block q's band: the previous block (if any) + its own."""
     if n_chunks == 1:
         return jnp.arange(block)[None]
     return (jnp.arange(n_chunks)[:, None] - 1) * block + jnp.arange(2 * block)[None]
 
 
 def _band_mask(n_chunks: int, block: int, window: int) -> jax.Array:
-    """[c, blk, K] bool: key j of block c's band is in query i's window (chunk-local positions)."""
+    """[Q, blk, T] bool: key t of block q's band is in query s's window (chunk-local positions)."""
     q = jnp.arange(n_chunks * block).reshape(n_chunks, block)[:, :, None]
     k = _band_keys(n_chunks, block)[:, None, :]
     return (k <= q) & (k > q - window) & (k >= 0)
@@ -79,15 +83,15 @@ def sparse_attention(
         kp = prefix_pos[:, None, :]
         mask = (kp >= 0) & (kp > qpos[..., None] - window) & (kp >= floor[:, None, None])
         mask = mask.reshape(b, nc, blk, 1, -1)
-        parts.append((_logits("bcinh,bph->bcinp", qc, prefix_kv, h ** -0.5, mask),
-                      lambda p: jnp.einsum("bcinp,bph->bcinh", p, prefix_kv, preferred_element_type=jnp.float32)))
+        parts.append((_logits("bqsnh,bph->bqsnp", qc, prefix_kv, h ** -0.5, mask),
+                      lambda p: jnp.einsum("bqsnp,bph->bqsnh", p, prefix_kv, preferred_element_type=jnp.float32)))
     if topk is not None:
         if picked is None:
             picked = gather_entries(compressed_kv, jnp.maximum(topk, 0))  # [B, S, K, H]
         pc = _pad_seq(picked, nc * blk).reshape(b, nc, blk, -1, h)
         mask = (_pad_seq(topk, nc * blk, value=-1) >= 0).reshape(b, nc, blk, 1, -1)
-        parts.append((_logits("bcinh,bcikh->bcink", qc, pc, h ** -0.5, mask),
-                      lambda p: jnp.einsum("bcink,bcikh->bcinh", p, pc, preferred_element_type=jnp.float32)))
+        parts.append((_logits("bqsnh,bqskh->bqsnk", qc, pc, h ** -0.5, mask),
+                      lambda p: jnp.einsum("bqsnk,bqskh->bqsnh", p, pc, preferred_element_type=jnp.float32)))
     out, mx, den = _softmax_with_sink(parts, sink, dt)
     out = out.reshape(b, nc * blk, n, h)[:, :s].astype(dt)
     if not return_mass:
@@ -142,7 +146,7 @@ def entry_mass(
     b, s, n, h = q.shape
     qc, parts, nc, blk = _window_parts(q, window_kv, window, 0, None, key_floor)
     mask = _pad_seq(visible, nc * blk, value=False).reshape(b, nc, blk, 1, -1)
-    parts.append((_logits("bcinh,bth->bcint", qc, compressed_kv, h ** -0.5, mask), None))
+    parts.append((_logits("bqsnh,bth->bqsnt", qc, compressed_kv, h ** -0.5, mask), None))
     mx, den = _max_and_denominator(parts, sink)
     return _head_mass(parts[-1][0], mx, den, s)
 
@@ -159,19 +163,19 @@ def _window_parts(q, window_kv, window: int, replay_start, start, key_floor):
     qc = _pad_seq(q, nc * blk).reshape(b, nc, blk, n, h)
     kv = _pad_seq(window_kv, nc * blk).reshape(b, nc, blk, h)
     band = kv if nc == 1 else jnp.concatenate([jnp.pad(kv[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0))), kv], axis=2)
-    kloc = _band_keys(nc, blk)  # [c, K] chunk-local
+    kloc = _band_keys(nc, blk)  # [Q, T] chunk-local
     band_mask = _band_mask(nc, blk, window)[None] & (kloc[None, :, None, :] >= floor[:, None, None, None])
-    if key_floor is not None:  # [B, c, blk, K]: keys before the query's document start are invisible
+    if key_floor is not None:  # [B, Q, blk, T]: keys before the query's document start are invisible
         band_mask = band_mask & (kloc[None, :, None, :] >= _pad_seq(key_floor, nc * blk).reshape(b, nc, blk, 1))
-    parts = [(_logits("bcinh,bcjh->bcinj", qc, band, h ** -0.5, band_mask[:, :, :, None, :]),
-              lambda p: jnp.einsum("bcinj,bcjh->bcinh", p, band, preferred_element_type=jnp.float32))]
+    parts = [(_logits("bqsnh,bqth->bqsnt", qc, band, h ** -0.5, band_mask[:, :, :, None, :]),
+              lambda p: jnp.einsum("bqsnt,bqth->bqsnh", p, band, preferred_element_type=jnp.float32))]
     return qc, parts, nc, blk
 
 
 def _head_mass(logits, mx, den, s: int):
     """Σ over heads of ``exp(logits − mx) / den`` for one part, [B, S, K], without gradient."""
     logits, mx, den = jax.lax.stop_gradient((logits, mx, den))
-    mass = (jnp.exp(logits - mx) / den[..., None]).sum(-2)  # [b, c, blk, K]
+    mass = (jnp.exp(logits - mx) / den[..., None]).sum(-2)  # [B, Q, blk, K]
     b, nc, blk, k = mass.shape
     return mass.reshape(b, nc * blk, k)[:, :s]
 

@@ -38,6 +38,13 @@ def _precision(text: str) -> str:
     return _PRECISIONS[text]
 
 
+def _token_ids(text: str) -> list[int]:
+    """``--ids 0,17,42`` (the library is imported only when the flag is used)."""
+    from dsv41_jax.sample import parse_ids
+
+    return parse_ids(text)
+
+
 def _cmd_topology(args) -> int:
     from dsv41_jax.topology import describe
 
@@ -135,46 +142,12 @@ def _cmd_ledger(args) -> int:
 
 def _cmd_sample(args) -> int:
     """Generate from text or token-id prompts, streaming tokens as each compiled block finishes."""
-    from pathlib import Path
+    from dsv41_jax.sample import sample
 
-    from tokenizers import Tokenizer
-
-    from dsv41_jax.checkpoint.load import model_from_hf
-    from dsv41_jax.engine.sampling import Generator, SamplingConfig
-    from dsv41_jax.engram_device import device_engram
-
-    tok_path = None  # the run's tokenizer, else the checkpoint directory's
-    if args.run:
-        from dsv41_jax.train.checkpoint import model_from_run
-
-        model, hasher, tok_path, step = model_from_run(args.run, dtype=args.dtype)
-        print(f"sampling from {args.run} step {step}", flush=True)
-    elif args.ckpt:
-        from dsv41_jax.checkpoint.load import model_from_orbax
-
-        model, hasher = model_from_orbax(args.ckpt, dtype=args.dtype)
-    else:
-        model, hasher = model_from_hf(args.hf_dir, dtype=args.dtype)
-    tok = Tokenizer.from_file(str(tok_path or Path(args.ckpt or args.hf_dir) / "tokenizer.json"))
-    if args.ids:
-        prompts = [[int(t) for t in p.split(",")] for p in args.ids]
-    else:
-        prompts = [[model.cfg.bos_token_id] + tok.encode(p, add_special_tokens=False).ids for p in args.prompt]
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              max_new_tokens=args.max_new_tokens, stop_tokens=(model.cfg.eos_token_id,),
-                              prefill_mode=args.prefill_mode, prefill_chunk=args.prefill_chunk)
-    gen = Generator(model, device_engram(hasher), len(prompts), args.max_seq_len, sampling)
-
-    def show(block):
-        for i, row in enumerate(block):
-            text = tok.decode([int(t) for t in row if t >= 0], skip_special_tokens=False)
-            if text:
-                print(f"[{i}] {text}", flush=True)
-
-    outs = gen.generate(prompts, seed=args.seed, on_block=show)
-    if args.show_ids:
-        for i, ids in enumerate(outs):
-            print(f"[{i}] ids {','.join(str(t) for t in ids)}")
+    sample(run=args.run, ckpt=args.ckpt, hf_dir=args.hf_dir, prompts=args.prompt, ids=args.ids,
+           max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, temperature=args.temperature,
+           top_k=args.top_k, top_p=args.top_p, seed=args.seed, prefill_mode=args.prefill_mode,
+           prefill_chunk=args.prefill_chunk, dtype=args.dtype, show_ids=args.show_ids)
     return 0
 
 
@@ -272,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint_source(p, run=True)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", action="append", help="text prompt (repeat for a batch)")
-    group.add_argument("--ids", action="append", help="comma-separated token ids (repeat for a batch)")
+    group.add_argument("--ids", action="append", type=_token_ids,
+                       help="comma-separated token ids (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -1,8 +1,10 @@
 """Build our model from a release-format Hugging Face directory (dequantised weights) or from the Orbax
-checkpoint ``dsv41 convert`` writes (any weights mode, optionally sharded over a mesh)."""
+checkpoint ``dsv41 convert`` writes (any weights mode, optionally sharded over a mesh); :func:`load_model`
+takes either, or a training run directory, as ``dsv41 sample`` / ``dsv41 score`` and the infer/ scripts do."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -88,3 +90,36 @@ def model_from_orbax(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", par
     token_map = build_token_map(ckpt_dir / "tokenizer.json")
     check_token_map(token_map, cfg.engram)
     return model, EngramHasher(cfg.engram, token_map)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A model ready to run, with what sampling and scoring need beside it."""
+
+    model: Transformer
+    hasher: EngramHasher
+    tokenizer: Path  # the tokenizer.json that goes with the weights
+    step: int | None = None  # the training step, for a run directory
+
+
+def load_model(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | None = None,
+               hf_dir: str | os.PathLike | None = None, dtype: str = "float32", param_dtype: str | None = None,
+               log=print) -> Loaded:
+    """The model of exactly one source: a ``dsv41 train`` run directory (its newest good step), an Orbax
+    checkpoint written by ``dsv41 convert``, or a release-format Hugging Face directory.
+
+    ``dtype`` is the activation precision; ``param_dtype`` applies to ``ckpt`` (default: by the conversion's
+    weights) and ``hf_dir`` (default float32); a run keeps the parameter dtype it was trained with.
+    """
+    if sum(s is not None for s in (run, ckpt, hf_dir)) != 1:
+        raise ValueError("load_model: give exactly one of run, ckpt, hf_dir")
+    if run is not None:
+        from dsv41_jax.train.checkpoint import model_from_run
+
+        model, hasher, tok, step = model_from_run(run, dtype=dtype, log=log)
+        return Loaded(model, hasher, Path(tok), step)
+    if ckpt is not None:
+        model, hasher = model_from_orbax(ckpt, dtype=dtype, param_dtype=param_dtype)
+        return Loaded(model, hasher, Path(ckpt) / "tokenizer.json")
+    model, hasher = model_from_hf(hf_dir, dtype=dtype, param_dtype=param_dtype or "float32")
+    return Loaded(model, hasher, Path(hf_dir) / "tokenizer.json")

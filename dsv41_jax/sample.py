@@ -1,0 +1,67 @@
+"""Generate from a training run, a converted (Orbax) or a release-format checkpoint, printing each row's text as
+every compiled decode block finishes: what ``dsv41 sample`` and ``infer/generate.py`` run.
+
+The flow: :func:`dsv41_jax.checkpoint.load.load_model` (model, Engram hasher, the tokenizer that goes with
+them) -> the prompts tokenised after BOS (or taken as token ids) -> ``engine.sampling.Generator``: chunked
+exact or CED prefill into the packed cache, then compiled decode blocks with Engram rows hashed on the device.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+from tokenizers import Tokenizer
+
+from dsv41_jax.checkpoint.load import load_model
+from dsv41_jax.engine.sampling import Generator, SamplingConfig
+from dsv41_jax.engram_device import device_engram
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)  # each block as it finishes, also through a pipe
+
+
+def parse_ids(text: str) -> list[int]:
+    """One ``--ids`` argument: ``"0,17,42"`` -> ``[0, 17, 42]``."""
+    return [int(t) for t in text.split(",")]
+
+
+def encode_prompts(tok: Tokenizer, bos_token_id: int, texts: Sequence[str]) -> list[list[int]]:
+    """Each text as BOS followed by its tokens (no other special tokens), as training saw documents."""
+    return [[bos_token_id, *tok.encode(t, add_special_tokens=False).ids] for t in texts]
+
+
+def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | None = None,
+           hf_dir: str | os.PathLike | None = None, prompts: Sequence[str] | None = None,
+           ids: Sequence[Sequence[int]] | None = None, max_new_tokens: int = 32, max_seq_len: int = 4096,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+           prefill_mode: str = "exact", prefill_chunk: int = 512, dtype: str = "bfloat16",
+           show_ids: bool = False, log: Callable[[str], None] = _print) -> list[list[int]]:
+    """Sample continuations of text ``prompts`` (or token-id prompts ``ids``) from one checkpoint source.
+
+    Each block's new text is logged as ``[row] text``; with ``show_ids`` each row's generated ids follow as
+    ``[row] ids a,b,c``. Rows stop at the model's EOS or after ``max_new_tokens``. Returns the generated ids.
+    """
+    loaded = load_model(run=run, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype, log=log)
+    if loaded.step is not None:
+        log(f"sampling from {run} step {loaded.step}")
+    cfg = loaded.model.cfg
+    tok = Tokenizer.from_file(str(loaded.tokenizer))
+    batch = [list(p) for p in ids] if ids else encode_prompts(tok, cfg.bos_token_id, prompts or [])
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                              stop_tokens=(cfg.eos_token_id,), prefill_mode=prefill_mode,
+                              prefill_chunk=prefill_chunk)
+    gen = Generator(loaded.model, device_engram(loaded.hasher), len(batch), max_seq_len, sampling)
+
+    def show(block):  # [B, block] new ids; -1 once a row has stopped
+        for i, row in enumerate(block):
+            text = tok.decode([int(t) for t in row if t >= 0], skip_special_tokens=False)
+            if text:
+                log(f"[{i}] {text}")
+
+    outs = gen.generate(batch, seed=seed, on_block=show)
+    if show_ids:
+        for i, row in enumerate(outs):
+            log(f"[{i}] ids {','.join(map(str, row))}")
+    return outs

@@ -74,32 +74,14 @@ def _cmd_params(args) -> int:
 
 def _cmd_score(args) -> int:
     """Run a release-format checkpoint on token ids; write golden-named arrays; compare with a reference."""
-    import numpy as np
+    from dsv41_jax.scoring import ScoreInputError, score
 
-    from dsv41_jax.checkpoint.load import model_from_hf
-    from dsv41_jax.scoring import prefill_outputs, save_and_report, score_inputs
-
-    if args.ckpt:
-        from dsv41_jax.checkpoint.load import model_from_orbax
-
-        model, hasher = model_from_orbax(args.ckpt, dtype=args.dtype, param_dtype=args.param_dtype)
-    else:
-        model, hasher = model_from_hf(args.hf_dir, dtype=args.dtype)
-    if args.ids:
-        ids = np.load(args.ids)
-        if ids.ndim != 2 or ids.dtype.kind not in "iu":
-            raise SystemExit(f"{args.ids}: expected integer token ids [B, S], got {ids.dtype} {ids.shape}")
-        if ids.min() < 0 or ids.max() >= model.cfg.vocab_size:
-            raise SystemExit(f"{args.ids}: token ids must lie in [0, {model.cfg.vocab_size})")
-        logits = prefill_outputs(model, hasher, ids, "ids")["ids_prefill_logits"]
-        np.save(args.out or "logits.npy", logits)
-        print(f"wrote logits {logits.shape} to {args.out or 'logits.npy'}")
-        return 0
     try:
-        ours = score_inputs(model, hasher, np.load(args.inputs))
-    except ValueError as err:
-        raise SystemExit(f"{args.inputs}: {err}") from None
-    save_and_report(ours, args.out, args.reference, args.json)
+        score(ckpt=args.ckpt, hf_dir=args.hf_dir, inputs=args.inputs, ids=args.ids, out=args.out,
+              reference=args.reference, dtype=args.dtype, param_dtype=args.param_dtype, as_json=args.json)
+    except ScoreInputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -212,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("score", help="run a release-format HF checkpoint and compare with reference outputs")
     _add_checkpoint_source(p)
     p.add_argument("--param-dtype", choices=["float32", "bfloat16"],
-                   help="with --ckpt: parameter dtype (default: float32 for fp32 conversions, else bfloat16)")
+                   help="parameter dtype (default: float32 for --hf-dir and fp32 conversions, else bfloat16)")
     ids = p.add_mutually_exclusive_group(required=True)
     ids.add_argument("--inputs", help="npz with <tag>_ids int arrays [B, S] (writes golden-named arrays)")
     ids.add_argument("--ids", help="npy of int token ids [B, S]: --out gets teacher-forced fp32 logits [B, S, V]")

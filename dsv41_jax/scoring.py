@@ -2,18 +2,22 @@
 
 Outputs use the golden files' names (``<tag>_prefill_logits``, ``<tag>_topk_<layer>``,
 ``<tag>_candidates_<layer>``, ``<tag>_moe_topk``, ``b1_stream_after_layer``, ...), so one comparison
-serves the reference implementation's dumps and our own runs.
+serves the reference implementation's dumps and our own runs. :func:`score` is ``dsv41 score``;
+:func:`convert_and_score` adds the conversion in front of it (``infer/convert_and_score.py``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41_jax.checkpoint.load import load_model
 from dsv41_jax.engram_hash import EngramHasher
 from dsv41_jax.model import Transformer
 from dsv41_jax.model.indexer import block_mask
@@ -100,3 +104,56 @@ def save_and_report(ours: dict[str, np.ndarray], out: str | None, reference: str
     if reference:
         report = compare(ours, dict(np.load(reference)))
         print(json.dumps(report, indent=1) if as_json else format_report(report))
+
+
+class ScoreInputError(ValueError):
+    """A token-id file that cannot be scored; the message names the file."""
+
+
+def score(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.PathLike | None = None,
+          inputs: str | os.PathLike | None = None, ids: str | os.PathLike | None = None,
+          out: str | os.PathLike | None = None, reference: str | os.PathLike | None = None,
+          dtype: str = "float32", param_dtype: str | None = None, as_json: bool = False) -> dict[str, np.ndarray]:
+    """Run an Orbax (``ckpt``) or release-format (``hf_dir``) checkpoint on token ids: ``dsv41 score``.
+
+    ``inputs``: an npz of ``<tag>_ids`` arrays; every golden-named output (:func:`score_inputs`) is written to
+    ``out`` and compared with ``reference`` where given. ``ids``: an npy of token ids [B, S]; the
+    teacher-forced float32 logits [B, S, V] are written to ``out`` (default ``logits.npy``). Returns what it
+    wrote; a file that cannot be scored is a :class:`ScoreInputError`.
+    """
+    if (inputs is None) == (ids is None):
+        raise ValueError("score: give exactly one of inputs, ids")
+    loaded = load_model(ckpt=ckpt, hf_dir=hf_dir, dtype=dtype, param_dtype=param_dtype)
+    model, hasher = loaded.model, loaded.hasher
+    if ids is not None:
+        tokens = np.load(ids)
+        if tokens.ndim != 2 or tokens.dtype.kind not in "iu":
+            raise ScoreInputError(f"{ids}: expected integer token ids [B, S], got {tokens.dtype} {tokens.shape}")
+        if tokens.min() < 0 or tokens.max() >= model.cfg.vocab_size:
+            raise ScoreInputError(f"{ids}: token ids must lie in [0, {model.cfg.vocab_size})")
+        logits = prefill_outputs(model, hasher, tokens, "ids")["ids_prefill_logits"]
+        np.save(out or "logits.npy", logits)
+        print(f"wrote logits {logits.shape} to {out or 'logits.npy'}")
+        return {"logits": logits}
+    try:
+        ours = score_inputs(model, hasher, np.load(inputs))
+    except ValueError as err:
+        raise ScoreInputError(f"{inputs}: {err}") from None
+    save_and_report(ours, out, reference, as_json)
+    return ours
+
+
+def convert_and_score(hf_dir: str | os.PathLike, ckpt: str | os.PathLike, *, weights: str = "fp32",
+                      inputs: str | os.PathLike, out: str | os.PathLike | None = None,
+                      reference: str | os.PathLike | None = None, dtype: str = "float32",
+                      as_json: bool = False) -> dict[str, np.ndarray]:
+    """``checkpoint.convert.convert`` of ``hf_dir`` into ``ckpt`` (a finished ``ckpt`` is kept as it is), then
+    :func:`score` of the converted checkpoint on ``inputs``."""
+    from dsv41_jax.checkpoint.convert import MANIFEST, convert, read_manifest
+
+    ckpt = Path(ckpt)
+    if (ckpt / MANIFEST).is_file():
+        print(f"{ckpt} holds a finished conversion ({read_manifest(ckpt)['weights']} weights); scoring it")
+    else:
+        convert(hf_dir, ckpt, weights=weights)
+    return score(ckpt=ckpt, inputs=inputs, out=out, reference=reference, dtype=dtype, as_json=as_json)

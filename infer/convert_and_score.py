@@ -3,26 +3,23 @@ r"""Convert a release-format checkpoint to Orbax, then score the converted model
     python infer/convert_and_score.py --hf-dir tests/data/golden/tiny_hf --out /tmp/tiny_orbax \
         --inputs tests/data/golden/inputs.npz --reference tests/data/golden/ref_fp32.npz
 
-The flow: ``checkpoint.convert.convert`` (every tensor name, dtype and shape checked against the inventory its
-config.json implies, then written band by band; an interrupted run resumes from OUT.partial/, a finished OUT
-is scored as it is) -> ``checkpoint.load.model_from_orbax`` -> ``scoring.score_inputs``: the teacher-forced
-forward over each ``<tag>_ids`` array of the inputs, keeping the logits and every discrete decision (top-k,
-candidates, expert routes, Engram rows) under the reference's names -> ``scoring.compare`` against the
-reference, one line per array. Point --hf-dir at a download of the real model to check it the same way.
+One call, ``scoring.convert_and_score``: ``checkpoint.convert.convert`` (every tensor name, dtype and shape
+checked against the inventory its config.json implies, then written band by band; an interrupted run resumes
+from OUT.partial/, a finished OUT is scored as it is) -> ``scoring.score``, the function behind
+``dsv41 score``: ``checkpoint.load.load_model`` -> the teacher-forced forward over each ``<tag>_ids`` array of
+the inputs, keeping the logits and every discrete decision (top-k, candidates, expert routes, Engram rows)
+under the reference's names -> ``scoring.compare`` against the reference, one line per array. Point --hf-dir
+at a download of the real model to check it the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-import numpy as np
-
-from dsv41_jax.checkpoint.convert import MANIFEST, ConvertError, convert, read_manifest
-from dsv41_jax.checkpoint.load import model_from_orbax
+from dsv41_jax.checkpoint.convert import ConvertError
 from dsv41_jax.config import ConfigError
-from dsv41_jax.scoring import save_and_report, score_inputs
+from dsv41_jax.scoring import ScoreInputError, convert_and_score
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,22 +39,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
     try:
-        if (out / MANIFEST).is_file():
-            print(f"{out} holds a finished conversion ({read_manifest(out)['weights']} weights); scoring it")
-        else:
-            convert(args.hf_dir, out, weights=args.weights)
-        model, hasher = model_from_orbax(out, dtype=args.dtype)
-    except (ConfigError, ConvertError) as err:
+        convert_and_score(args.hf_dir, args.out, weights=args.weights, inputs=args.inputs, out=args.scores,
+                          reference=args.reference, dtype=args.dtype, as_json=args.json)
+    except (ConfigError, ConvertError, ScoreInputError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    try:
-        ours = score_inputs(model, hasher, np.load(args.inputs))
-    except ValueError as err:
-        print(f"error: {args.inputs}: {err}", file=sys.stderr)
-        return 2
-    save_and_report(ours, args.scores, args.reference, args.json)
     return 0
 
 

@@ -134,31 +134,11 @@ def _cmd_sample(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    """Pre-train from a YAML run config (resumes from the latest checkpoint in checkpoint.dir)."""
-    from dsv41_jax.train import distributed
-    from dsv41_jax.train.config import load
+    """Pre-train from a YAML run config (resumes from the latest checkpoint in checkpoint.dir), or plan it."""
+    from dsv41_jax.train.loop import launch
 
-    cfg = load(args.config, args.overrides)
-    if args.preflight:  # shapes only: no device memory is used, any mesh size can be checked
-        import jax
-
-        from dsv41_jax.train.preflight import format_preflight, preflight
-
-        n = args.devices or jax.device_count()
-        shape = dict(zip(("data", "fsdp", "expert", "tensor"), cfg.mesh.shape(n, args.config), strict=True))
-        print(format_preflight(preflight(cfg.model, cfg.optim, shape, cfg.data.batch_size, cfg.data.seq_len,
-                                         cfg.remat, cfg.grad_accum)))
-        return 0
-    if args.aot or args.collectives:  # shapes only: lowered (and compiled) for the mesh, nothing allocated
-        from dsv41_jax.train.aot import aot_train_step
-
-        aot_train_step(cfg, args.devices, args.config, compile=not args.no_compile,
-                       show_collectives=args.collectives)
-        return 0
-    distributed.initialize(cfg.distributed)  # before anything touches a device
-    from dsv41_jax.train.loop import train
-
-    train(cfg, source=args.config, stop_after=args.stop_after)
+    launch(args.config, args.overrides, stop_after=args.stop_after, preflight_only=args.preflight, aot=args.aot,
+           compile=not args.no_compile, collectives=args.collectives, devices=args.devices)
     return 0
 
 

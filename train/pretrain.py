@@ -1,13 +1,13 @@
-"""Pre-train from one YAML run config: what ``dsv41 train`` does, as a short sequence of library calls.
+"""Pre-train from one YAML run config: the one library call behind ``dsv41 train``.
 
     python train/pretrain.py configs/pretrain_tiny.yaml [key=value ...]
     python train/pretrain.py configs/v41_flash_pretrain.yaml --preflight --devices 64
 
-The flow: the strict run config (``train.config.load``, dotted ``key=value`` overrides) -> optionally a
-preflight that plans the mesh and per-device memory from shapes alone -> ``jax.distributed`` when several
-processes are configured -> ``train.loop.train``, which builds the mesh, the tokenizer and the packed data,
-initialises the sharded state or resumes it from the newest good checkpoint, runs the jitted steps and writes
-metrics and Orbax checkpoints under ``checkpoint.dir``.
+The call is ``train.loop.launch``: the strict run config (``train.config.load``, dotted ``key=value``
+overrides) -> optionally a preflight that plans the mesh and per-device memory from shapes alone ->
+``jax.distributed`` when several processes are configured -> ``train.loop.train``, which builds the mesh, the
+tokenizer and the packed data, initialises the sharded state or resumes it from the newest good checkpoint,
+runs the jitted steps and writes metrics and Orbax checkpoints under ``checkpoint.dir``.
 
 Post-training uses this same launcher. A run config with a ``posttrain:`` section (``configs/qat_tiny.yaml``:
 FP4-cache QAT and replay-aware fine-tuning, docs/posttraining.md) starts from ``posttrain.init_from`` and
@@ -22,22 +22,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import jax
-
 from dsv41_jax.config import ConfigError
-from dsv41_jax.train import distributed
-from dsv41_jax.train.config import TrainConfig, load
-from dsv41_jax.train.loop import train
-from dsv41_jax.train.preflight import format_preflight, preflight
-
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
-
-
-def plan(cfg: TrainConfig, n_devices: int, source: str) -> str:
-    """The preflight report for ``n_devices``: mesh, per-device bytes, model FLOPs (nothing is allocated)."""
-    mesh = dict(zip(MESH_AXES, cfg.mesh.shape(n_devices, source), strict=True))
-    return format_preflight(preflight(cfg.model, cfg.optim, mesh, cfg.data.batch_size, cfg.data.seq_len,
-                                      cfg.remat, cfg.grad_accum))
+from dsv41_jax.train.loop import launch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,13 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = load(args.config, args.overrides)
-        if args.preflight:
-            print(plan(cfg, args.devices or jax.device_count(), args.config))
-            return 0
-        distributed.initialize(cfg.distributed)  # before anything touches a device
-        train(cfg, source=args.config, stop_after=args.stop_after)
+    try:  # the same call as `dsv41 train` (its --aot / --collectives are launch(aot=..., collectives=...))
+        launch(args.config, args.overrides, stop_after=args.stop_after, preflight_only=args.preflight,
+               devices=args.devices)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

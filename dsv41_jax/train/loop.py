@@ -2,6 +2,7 @@
 
 Resuming is the default: if the checkpoint directory holds a step, the state and the data iterator continue
 from it, so an interrupted run continues to the same losses as an uninterrupted one (fp32, CPU).
+:func:`launch` is the whole of ``dsv41 train`` and ``train/pretrain.py``: run config file -> plan or train.
 """
 
 from __future__ import annotations
@@ -144,3 +145,32 @@ def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None
 
 def losses(history: list[dict]) -> np.ndarray:
     return np.asarray([m["loss"] for m in history])
+
+
+def launch(config: str, overrides: list[str] | tuple[str, ...] = (), *, stop_after: int | None = None,
+           preflight_only: bool = False, aot: bool = False, compile: bool = True, collectives: bool = False,
+           devices: int | None = None, log: Callable[[str], None] = print) -> list[dict] | None:
+    """``dsv41 train``: the run config file ``config`` with dotted ``key=value`` ``overrides``, then one of
+
+    - ``preflight_only``: log the mesh, per-device memory and model FLOPs for ``devices`` (default: those
+      present), from shapes alone;
+    - ``aot`` / ``collectives``: lower (and unless not ``compile``, compile) the sharded step from shapes
+      (``train.aot.aot_train_step``; more ``devices`` than present are fake CPU devices);
+    - otherwise ``jax.distributed`` where configured, then :func:`train` (resuming), returning its metrics.
+    """
+    from dsv41_jax.train import distributed
+    from dsv41_jax.train.config import MESH_AXES, load
+
+    cfg = load(config, list(overrides))
+    if preflight_only:  # nothing is allocated, so any mesh size can be checked
+        mesh = dict(zip(MESH_AXES, cfg.mesh.shape(devices or jax.device_count(), config), strict=True))
+        log(format_preflight(preflight(cfg.model, cfg.optim, mesh, cfg.data.batch_size, cfg.data.seq_len,
+                                       cfg.remat, cfg.grad_accum)))
+        return None
+    if aot or collectives:
+        from dsv41_jax.train.aot import aot_train_step
+
+        aot_train_step(cfg, devices, config, compile=compile, show_collectives=collectives, log=log)
+        return None
+    distributed.initialize(cfg.distributed, log=log)  # before anything touches a device
+    return train(cfg, source=config, stop_after=stop_after, log=log)

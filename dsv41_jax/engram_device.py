@@ -42,13 +42,13 @@ class DeviceEngram(NamedTuple):
 
     token_map: Int[Array, " V"]  # int32: raw id -> compressed id (spec model §6.2)
     pad: Int[Array, ""]  # int32: compressed pad id, used for blocked look-backs (spec model §6.2 step 5)
-    mult_limbs: UInt32[Array, "L K 4"]  # per-shift multipliers as 16-bit limbs (spec model §6.4)
-    primes: UInt32[Array, "L C"]  # bucket modulus per column c = (n - 2) * n_heads + head (spec model §6.3)
-    offsets: Int[Array, "L C"]  # int32: first row of each column's bucket range (spec model §6.3)
-    two64_mod_p: UInt32[Array, "L C"]  # 2**64 mod prime: numpy's floor modulo of a negative int64
+    mult_limbs: UInt32[Array, "L J 4"]  # per-shift multipliers as 16-bit limbs (spec model §6.4)
+    primes: UInt32[Array, "L G"]  # bucket modulus per column c = (n - 2) * n_heads + head (spec model §6.3)
+    offsets: Int[Array, "L G"]  # int32: first row of each column's bucket range (spec model §6.3)
+    two64_mod_p: UInt32[Array, "L G"]  # 2**64 mod prime: numpy's floor modulo of a negative int64
     # bit shift of each Horner digit inside a 16-bit limb, most significant first; its (static) length
     # fixes the digit width w = 16 / length, chosen so that every prime p satisfies p * 2**w <= 2**32
-    digit_shifts: UInt32[Array, " D"]
+    digit_shifts: UInt32[Array, " digits"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -107,8 +107,8 @@ def device_engram(hasher: EngramHasher) -> DeviceEngram:
     )
 
 
-def device_history_init(tables: DeviceEngram, batch: int) -> tuple[Int[Array, "B K1"], Int[Array, " B"]]:
-    """Empty per-sequence state: (history int32 [B, K-1] all DEAD, n_seen int32 [B] zeros), as history_init."""
+def device_history_init(tables: DeviceEngram, batch: int) -> tuple[Int[Array, "B J-1"], Int[Array, " B"]]:
+    """Empty per-sequence state: (history int32 [B, J-1] all DEAD, n_seen int32 [B] zeros), as history_init."""
     k1 = tables.mult_limbs.shape[-2] - 1
     return jnp.full((batch, k1), DEAD, jnp.int32), jnp.zeros((batch,), jnp.int32)
 
@@ -117,7 +117,7 @@ def device_history_init(tables: DeviceEngram, batch: int) -> tuple[Int[Array, "B
 # exact 64-bit arithmetic in uint32 lanes
 
 
-def mul_limbs(a: UInt32[Array, "*B na"], b: UInt32[Array, "*B nb"]) -> UInt32[Array, "*B 4"]:
+def mul_limbs(a: UInt32[Array, "*B a_limbs"], b: UInt32[Array, "*B b_limbs"]) -> UInt32[Array, "*B 4"]:
     """Low 64 bits of a * b, all as little-endian 16-bit limbs in uint32 (broadcasting over leading axes).
 
     Column n sums the low halves of the partial products a_i * b_j with i + j = n, the high halves of those
@@ -139,8 +139,8 @@ def mul_limbs(a: UInt32[Array, "*B na"], b: UInt32[Array, "*B nb"]) -> UInt32[Ar
     return jnp.stack(out, axis=-1)
 
 
-def mod_limbs(x: UInt32[Array, "*B 4"], p: UInt32[Array, "*P"], digit_shifts: UInt32[Array, " D"],
-              two64_mod_p: UInt32[Array, "*P"] | None = None) -> UInt32[Array, "*R"]:
+def mod_limbs(x: UInt32[Array, "*B 4"], p: UInt32[Array, "..."], digit_shifts: UInt32[Array, " digits"],
+              two64_mod_p: UInt32[Array, "..."] | None = None) -> UInt32[Array, "..."]:
     """x mod p for a 64-bit x in 16-bit limbs and p <= 2**(32 - w), w = 16 / len(digit_shifts).
 
     Without ``two64_mod_p`` x is unsigned; with it (= 2**64 mod p) x is a two's complement int64 and the
@@ -170,15 +170,15 @@ def mod_limbs(x: UInt32[Array, "*B 4"], p: UInt32[Array, "*P"], digit_shifts: UI
 
 def device_row_ids(
     tables: DeviceEngram,
-    history: Int[Array, "*B K1"],
+    history: Int[Array, "*B J-1"],
     n_seen: Int[Array, "*B"],
     tokens: Int[Array, "*B S"],
     dead: Bool[Array, "*B S"] | None = None,
-) -> tuple[Int[Array, "*B S L C"], Int[Array, "*B K1"], Int[Array, "*B"]]:
+) -> tuple[Int[Array, "*B S L G"], Int[Array, "*B J-1"], Int[Array, "*B"]]:
     """Row ids of ``tokens`` (raw ids) and the carried state, equal to ``EngramHasher.row_ids``.
 
-    ``history`` holds the last K-1 compressed ids before tokens[..., 0] (oldest first, DEAD = -1) and
-    ``n_seen`` the absolute position of tokens[..., 0]. Returns (rows int32 [..., S, L, C], new history,
+    ``history`` holds the last J-1 compressed ids before tokens[..., 0] (oldest first, DEAD = -1) and
+    ``n_seen`` the absolute position of tokens[..., 0]. Returns (rows int32 [..., S, L, G], new history,
     n_seen + S). Leading batch axes are free (also none, e.g. under vmap over sequences); S >= 1 is a
     chunk or one decode token. Raw ids outside the token map are clamped by the gather.
     """
@@ -189,7 +189,7 @@ def device_row_ids(
     if dead is not None:
         comp = jnp.where(dead, jnp.int32(DEAD), comp)
     n_seen = n_seen.astype(jnp.int32)
-    ext = jnp.concatenate([history.astype(jnp.int32), comp], axis=-1)  # position p at index K-1 + p - n_seen
+    ext = jnp.concatenate([history.astype(jnp.int32), comp], axis=-1)  # position p at index J-1 + p - n_seen
     pos = n_seen[..., None] + jnp.arange(s, dtype=jnp.int32)
 
     blocked = jnp.zeros(comp.shape, bool)
@@ -199,9 +199,9 @@ def device_row_ids(
         # once a look-back hits the start or a DEAD token, it and all larger shifts use pad (§6.5)
         blocked = blocked | (pos < k) | (val == DEAD)
         toks.append(jnp.where(blocked, tables.pad, val))
-    t = jnp.stack(toks, axis=-1).astype(jnp.uint32)  # [..., S, K], each >= 0 and < 2**31: two limbs
-    t_limbs = jnp.stack([t & _LIMB_MASK, t >> LIMB_BITS], axis=-1)[..., None, :]  # [..., S, K, 1, 2]
-    prod = mul_limbs(t_limbs, jnp.swapaxes(tables.mult_limbs, 0, 1))  # tok_k * m[l, k]: [..., S, K, L, 4]
+    t = jnp.stack(toks, axis=-1).astype(jnp.uint32)  # [..., S, J], each >= 0 and < 2**31: two limbs
+    t_limbs = jnp.stack([t & _LIMB_MASK, t >> LIMB_BITS], axis=-1)[..., None, :]  # [..., S, J, 1, 2]
+    prod = mul_limbs(t_limbs, jnp.swapaxes(tables.mult_limbs, 0, 1))  # tok_k * m[l, k]: [..., S, J, L, 4]
     hashes, h = [], prod[..., 0, :, :]
     for k in range(1, k_max):
         h = h ^ prod[..., k, :, :]

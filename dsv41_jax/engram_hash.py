@@ -153,16 +153,16 @@ class EngramHasher:
     def __init__(self, cfg: EngramConfig, token_map: np.ndarray):
         self.cfg = cfg
         self.token_map = np.asarray(token_map, np.int64)
-        self.primes = engram_primes(cfg).reshape(len(cfg.layer_ids), cfg.n_columns)  # [L, C]
-        self.offsets = engram_offsets(cfg)  # [L, C]
-        self.mults = engram_multipliers(cfg)  # [L, K]
+        self.primes = engram_primes(cfg).reshape(len(cfg.layer_ids), cfg.n_columns)  # [L, G]
+        self.offsets = engram_offsets(cfg)  # [L, G]
+        self.mults = engram_multipliers(cfg)  # [L, J]
         self.pad = np.int64(self.token_map[cfg.pad_id])  # spec model §6.2 step 5
 
     def history_init(self, batch: int) -> EngramHistory:
         return history_init(batch, self.cfg)
 
     def row_ids(self, token_ids, dead=None, history: EngramHistory | None = None):
-        """token_ids int [B,S] (raw ids), dead bool [B,S] | None → (rows int64 [B,S,L,C], new history)."""
+        """token_ids int [B,S] (raw ids), dead bool [B,S] | None → (rows int64 [B,S,L,G], new history)."""
         cfg = self.cfg
         tok = np.asarray(token_ids, np.int64)
         b, s = tok.shape
@@ -172,7 +172,7 @@ class EngramHasher:
         comp = self.token_map[tok]
         if dead is not None:
             comp = np.where(np.asarray(dead, bool), np.int64(DEAD), comp)
-        ext = np.concatenate([history.ids.astype(np.int64), comp], axis=1)  # [B, K-1+S]
+        ext = np.concatenate([history.ids.astype(np.int64), comp], axis=1)  # [B, J-1+S]
         pos = history.n_seen.astype(np.int64)[:, None] + np.arange(s, dtype=np.int64)[None, :]  # absolute p
 
         blocked = np.zeros((b, s), bool)

@@ -98,7 +98,7 @@ def _div_rn(x: Array, d: Array) -> Array:
 
 
 # --------------------------------------------------------------------------------------------------
-# Format cores: grouped fp32 input [..., G, block] -> (element values, scale [..., G, 1]).
+# Format cores: grouped fp32 input [..., X/block, block] -> (element values, scale [..., X/block, 1]).
 
 
 def _grouped(x: ArrayLike, block: int) -> Array:
@@ -151,19 +151,19 @@ _qdq_fp8, _qdq_nvfp4, _qdq_mxfp4 = map(_make_qdq, (_fp8_ue8m0_core, _nvfp4_core,
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
-def qdq_fp8_ue8m0(x: Float[Array, "*B N"], block: int = FP8_BLOCK) -> Float[Array, "*B N"]:
+def qdq_fp8_ue8m0(x: Float[Array, "*B X"], block: int = FP8_BLOCK) -> Float[Array, "*B X"]:
     """FP8 E4M3 with a power-of-two scale per ``block`` (SWA KV; FP8-linear activations)."""
     return _qdq_fp8(jnp.asarray(x), block)
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
-def qdq_nvfp4(x: Float[Array, "*B N"], block: int = NVFP4_BLOCK) -> Float[Array, "*B N"]:
+def qdq_nvfp4(x: Float[Array, "*B X"], block: int = NVFP4_BLOCK) -> Float[Array, "*B X"]:
     """E2M1 with an E4M3 scale per ``block`` and no global scale (main KV)."""
     return _qdq_nvfp4(jnp.asarray(x), block)
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
-def qdq_mxfp4(x: Float[Array, "*B N"], block: int = MXFP4_BLOCK) -> Float[Array, "*B N"]:
+def qdq_mxfp4(x: Float[Array, "*B X"], block: int = MXFP4_BLOCK) -> Float[Array, "*B X"]:
     """E2M1 with a power-of-two scale per ``block`` (indexer q and k)."""
     return _qdq_mxfp4(jnp.asarray(x), block)
 
@@ -214,15 +214,15 @@ def _unpack_nibbles(packed: ArrayLike) -> Array:
 
 
 def _apply_scale(values: Array, scale: Array, dtype) -> Array:
-    """values [..., n] * scale [..., G] broadcast over groups of n / G."""
+    """values [..., X] * scale [..., X/block] broadcast over the blocks of X."""
     groups = values.reshape(*scale.shape, values.shape[-1] // scale.shape[-1])
     return (groups * scale[..., None]).reshape(values.shape).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def pack_nvfp4(
-    x: Float[Array, "*B N"], block: int = NVFP4_BLOCK
-) -> tuple[UInt8[Array, "*B N//2"], Shaped[Array, "*B G"]]:
+    x: Float[Array, "*B X"], block: int = NVFP4_BLOCK
+) -> tuple[UInt8[Array, "*B X//2"], Shaped[Array, "*B X/block"]]:
     """x -> (E2M1 nibbles uint8, E4M3 scales float8_e4m3fn); 288 B per 512 lanes."""
     x = jnp.asarray(x)
     c, s = _nvfp4_core(_grouped(x, block))
@@ -232,15 +232,15 @@ def pack_nvfp4(
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def unpack_nvfp4(
-    codes: UInt8[Array, "*B N//2"], scales: Shaped[Array, "*B G"], dtype=jnp.float32
-) -> Float[Array, "*B N"]:
+    codes: UInt8[Array, "*B X//2"], scales: Shaped[Array, "*B X/block"], dtype=jnp.float32
+) -> Float[Array, "*B X"]:
     return _apply_scale(_e2m1_values(_unpack_nibbles(codes)), jnp.asarray(scales).astype(jnp.float32), dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def pack_mxfp4(
-    x: Float[Array, "*B N"], block: int = MXFP4_BLOCK
-) -> tuple[UInt8[Array, "*B N//2"], UInt8[Array, "*B G"]]:
+    x: Float[Array, "*B X"], block: int = MXFP4_BLOCK
+) -> tuple[UInt8[Array, "*B X//2"], UInt8[Array, "*B X/block"]]:
     """x -> (E2M1 nibbles uint8, E8M0 exponent bytes uint8); 68 B per 128 lanes."""
     x = jnp.asarray(x)
     c, s = _mxfp4_core(_grouped(x, block))
@@ -248,14 +248,16 @@ def pack_mxfp4(
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def unpack_mxfp4(codes: UInt8[Array, "*B N//2"], exps: UInt8[Array, "*B G"], dtype=jnp.float32) -> Float[Array, "*B N"]:
+def unpack_mxfp4(
+    codes: UInt8[Array, "*B X//2"], exps: UInt8[Array, "*B X/block"], dtype=jnp.float32
+) -> Float[Array, "*B X"]:
     return _apply_scale(_e2m1_values(_unpack_nibbles(codes)), _e8m0_value(exps), dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def pack_fp8_ue8m0(
-    x: Float[Array, "*B N"], block: int = FP8_BLOCK
-) -> tuple[Shaped[Array, "*B N"], UInt8[Array, "*B G"]]:
+    x: Float[Array, "*B X"], block: int = FP8_BLOCK
+) -> tuple[Shaped[Array, "*B X"], UInt8[Array, "*B X/block"]]:
     """x -> (E4M3 values float8_e4m3fn, E8M0 exponent bytes uint8); 528 B per 512 lanes."""
     x = jnp.asarray(x)
     q, s = _fp8_ue8m0_core(_grouped(x, block))
@@ -264,8 +266,8 @@ def pack_fp8_ue8m0(
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def unpack_fp8_ue8m0(
-    values: Shaped[Array, "*B N"], exps: UInt8[Array, "*B G"], dtype=jnp.float32
-) -> Float[Array, "*B N"]:
+    values: Shaped[Array, "*B X"], exps: UInt8[Array, "*B X/block"], dtype=jnp.float32
+) -> Float[Array, "*B X"]:
     return _apply_scale(jnp.asarray(values).astype(jnp.float32), _e8m0_value(exps), dtype)
 
 
@@ -284,8 +286,8 @@ def _cdiv(a: int, b: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def dequant_fp8_blocks(
-    w: Shaped[ArrayLike, "O I"], scale_e8m0: Shaped[ArrayLike, "O/32 I/32"], block: tuple[int, int] = (32, 32)
-) -> Float[Array, "O I"]:
+    w: Shaped[ArrayLike, "Y X"], scale_e8m0: Shaped[ArrayLike, "Y/32 X/32"], block: tuple[int, int] = (32, 32)
+) -> Float[Array, "Y X"]:
     """Dense FP8 weight with one E8M0 scale per block[0] x block[1] tile (ragged edge tiles allowed)."""
     w = jnp.asarray(w)
     (o, i), (bo, bi) = w.shape, block
@@ -296,8 +298,8 @@ def dequant_fp8_blocks(
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def dequant_fp4_rows(
-    packed: Shaped[ArrayLike, "O I//2"], scale_e8m0: Shaped[ArrayLike, "O I/32"], block: int = 32
-) -> Float[Array, "O I"]:
+    packed: Shaped[ArrayLike, "Y X//2"], scale_e8m0: Shaped[ArrayLike, "Y X/32"], block: int = 32
+) -> Float[Array, "Y X"]:
     """Routed-expert MXFP4 weight: I8 nibbles (low = even column) and a per-row E8M0 scale per block."""
     vals = _e2m1_values(_unpack_nibbles(packed))
     _check_scale("dequant_fp4_rows", np.shape(scale_e8m0), (*vals.shape[:-1], _cdiv(vals.shape[-1], block)))
@@ -306,8 +308,8 @@ def dequant_fp4_rows(
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def dequant_fp8_rows(
-    w: Shaped[ArrayLike, "R N"], scale_e8m0: Shaped[ArrayLike, "R N/32"], block: int = 32
-) -> Float[Array, "R N"]:
+    w: Shaped[ArrayLike, "V H"], scale_e8m0: Shaped[ArrayLike, "V H/32"], block: int = 32
+) -> Float[Array, "V H"]:
     """Engram table: FP8 rows with a row-wise E8M0 scale per ``block`` columns (not 32x32 tiles)."""
     w = jnp.asarray(w)
     _check_scale("dequant_fp8_rows", np.shape(scale_e8m0), (*w.shape[:-1], _cdiv(w.shape[-1], block)))
@@ -316,8 +318,8 @@ def dequant_fp8_rows(
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def quantize_fp8_blocks(
-    w: Float[ArrayLike, "O I"], block: tuple[int, int] = (32, 32)
-) -> tuple[Shaped[Array, "O I"], UInt8[Array, "O/32 I/32"]]:
+    w: Float[ArrayLike, "Y X"], block: tuple[int, int] = (32, 32)
+) -> tuple[Shaped[Array, "Y X"], UInt8[Array, "Y/32 X/32"]]:
     """Inverse of ``dequant_fp8_blocks``: the act_quant rule (spec model §2.3) over each tile.
 
     Equals ``qdq_fp8_ue8m0`` applied to every flattened tile, including the 1e-4 amax floor.
@@ -334,7 +336,7 @@ def quantize_fp8_blocks(
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def quantize_fp4_rows(
-    w: Float[ArrayLike, "O I"], block: int = 32
-) -> tuple[UInt8[Array, "O I//2"], UInt8[Array, "O I/32"]]:
+    w: Float[ArrayLike, "Y X"], block: int = 32
+) -> tuple[UInt8[Array, "Y X//2"], UInt8[Array, "Y X/32"]]:
     """Inverse of ``dequant_fp4_rows``: MXFP4 (spec attention §7.3 rule) along each row."""
     return pack_mxfp4(jnp.asarray(w, jnp.float32), block)

@@ -1,6 +1,6 @@
 """Engram conditional n-gram memory, applied to the residual streams before its block (spec model §6.6).
 
-Row ids are computed on the host (``dsv41_jax.engram_hash``) and arrive as int32 ``[B, S, C]`` per layer.
+Row ids are computed on the host (``dsv41_jax.engram_hash``) and arrive as int32 ``[B, S, G]`` per layer.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ class Engram(nnx.Module):
         self.k_weight = param("engram_qk", jnp.ones((hc_mult, dim), param_dtype))
         self.norm_eps, self.dtype = norm_eps, dtype
 
-    def __call__(self, x: Float[Array, "B S M D"], rows: Int[Array, "B S C"],
+    def __call__(self, x: Float[Array, "B S M D"], rows: Int[Array, "B S G"],
                  dead: Bool[Array, "B S"] | None = None) -> Float[Array, "B S M D"]:
         b, s, m, d = x.shape
-        emb = self.embed.lookup(rows).astype(self.dtype)  # [B, S, C, H]
+        emb = self.embed.lookup(rows).astype(self.dtype)  # [B, S, G, H]
         kv = self.wkv(emb.reshape(b, s, -1))  # [B, S, (M+1)·D]
         key = kv[..., : m * d].astype(jnp.float32).reshape(b, s, m, d)
         val = kv[..., m * d:].astype(jnp.float32)  # one value shared by all streams

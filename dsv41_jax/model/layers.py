@@ -44,15 +44,15 @@ class Linear(nnx.Module):
         self.weight = param(role, w)
         self.dtype, self.native = dtype, native
 
-    def dense(self, dtype) -> Float[Array, "O I"]:
+    def dense(self, dtype) -> Float[Array, "Y X"]:
         """The weight as a ``dtype`` matrix (dequantised from FP8 + E8M0 blocks when native)."""
         if self.native:
             return quant.dequant_fp8_blocks(self.weight[...], self.scale[...]).astype(dtype)
         return self.weight[...].astype(dtype)
 
-    def __call__(self, x: Float[Array, "*B I"], dtype=None) -> Float[Array, "*B O"]:
+    def __call__(self, x: Float[Array, "*B X"], dtype=None) -> Float[Array, "*B Y"]:
         dt = dtype or self.dtype
-        return jnp.einsum("...i,oi->...o", x.astype(dt), self.dense(dt),
+        return jnp.einsum("...x,yx->...y", x.astype(dt), self.dense(dt),
                           preferred_element_type=jnp.float32).astype(dt)
 
 

@@ -47,7 +47,7 @@ def hc_mixes(x: Float[Array, "B S M D"], fn: jax.Array, base: jax.Array, scale: 
     m, eps = cfg.hc_mult, cfg.hc_eps
     flat = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)  # [B, S, M·D], stream-major
     r = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
-    mix = jnp.einsum("bsi,oi->bso", flat, fn, precision="highest") * r
+    mix = jnp.einsum("bsx,yx->bsy", flat, fn, precision="highest") * r
     pre = jax.nn.sigmoid(mix[..., :m] * scale[0] + base[:m]) + eps
     post = 2 * jax.nn.sigmoid(mix[..., m:2 * m] * scale[1] + base[m:2 * m])
     comb = (mix[..., 2 * m:] * scale[2] + base[2 * m:]).reshape(*mix.shape[:-1], m, m)
@@ -64,5 +64,5 @@ def expand(
     comb: Float[Array, "B S M M"],
 ) -> Float[Array, "B S M D"]:
     """``X'_j = post_j·F + Σ_i comb[i, j]·R_i`` (row i = source stream, column j = destination)."""
-    mixed = jnp.einsum("bsij,bsid->bsjd", comb, residual.astype(jnp.float32), precision="highest")
+    mixed = jnp.einsum("bsmM,bsmd->bsMd", comb, residual.astype(jnp.float32), precision="highest")
     return (post[..., None] * f.astype(jnp.float32)[:, :, None, :] + mixed).astype(residual.dtype)

@@ -71,13 +71,13 @@ class StackedLinear(nnx.Module):
         self.weight = param(role, w)
         self.native = native
 
-    def dense(self, dtype) -> Float[Array, "E O I"]:
+    def dense(self, dtype) -> Float[Array, "E Y X"]:
         """All experts as ``dtype`` matrices (dequantised on the fly when native; exact in bf16 and fp32)."""
         if self.native:
             return quant.dequant_fp4_rows(self.weight[...], self.scale[...]).astype(dtype)
         return self.weight[...].astype(dtype)
 
-    def take(self, ids: Int[Array, "*N"], dtype) -> Float[Array, "*N O I"]:
+    def take(self, ids: Int[Array, "*B"], dtype) -> Float[Array, "*B Y X"]:
         """The experts ``ids`` only, gathered before dequantising: reads ``len(ids)`` experts, not all."""
         if self.native:
             return quant.dequant_fp4_rows(jnp.take(self.weight[...], ids, 0), jnp.take(self.scale[...], ids, 0)
@@ -110,12 +110,12 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
     return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
-def routed_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: Float[Array, "T K"],
-                   module: Experts, limit: float) -> Float[Array, "T D"]:
+def routed_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
+                   module: Experts, limit: float) -> Float[Array, "U D"]:
     """Σ_k weight_k · Expert_{e_k}(x) in fp32, by sorting token copies by expert and a grouped matmul.
 
-    With far fewer token copies than experts (a decode step: T·K = 6 per sequence against 384 experts) the
-    selected experts' weights are gathered instead, so the step reads T·K expert matrices rather than all
+    With far fewer token copies than experts (a decode step: U·K = 6 per sequence against 384 experts) the
+    selected experts' weights are gathered instead, so the step reads U·K expert matrices rather than all
     of them; the grouped matmul would stream every expert's weights (and dequantise every MXFP4 expert)
     to compute a handful of rows. Both paths accumulate in fp32.
     """
@@ -128,20 +128,20 @@ def routed_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: 
     return _local_experts(x, experts, weights, w1, w2, w3, limit, first=0)
 
 
-def _gathered_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: Float[Array, "T K"],
-                      module: Experts, limit: float) -> Float[Array, "T D"]:
-    """Per token copy, its expert's three matrices gathered by id: [T, K, I, D] then two batched matvecs."""
+def _gathered_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
+                      module: Experts, limit: float) -> Float[Array, "U D"]:
+    """Per token copy, its expert's three matrices gathered by id: [U, K, F, D] then two batched matvecs."""
     dt = x.dtype
     w1, w2, w3 = (m.take(experts, dt) for m in (module.w1, module.w2, module.w3))
     f32 = jnp.float32
-    gate = jnp.einsum("td,tkid->tki", x, w1, preferred_element_type=f32)
-    up = jnp.einsum("td,tkid->tki", x, w3, preferred_element_type=f32)
+    gate = jnp.einsum("ud,ukfd->ukf", x, w1, preferred_element_type=f32)
+    up = jnp.einsum("ud,ukfd->ukf", x, w3, preferred_element_type=f32)
     act = clamped_swiglu(gate, up, limit) * weights[..., None]  # routing weight before w2 (spec model §5.2)
-    return jnp.einsum("tki,tkdi->td", act.astype(dt), w2, preferred_element_type=f32)
+    return jnp.einsum("ukf,ukdf->ud", act.astype(dt), w2, preferred_element_type=f32)
 
 
-def _local_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: Float[Array, "T K"],
-                   w1: Array, w2: Array, w3: Array, limit: float, first) -> Float[Array, "T D"]:
+def _local_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
+                   w1: Array, w2: Array, w3: Array, limit: float, first) -> Float[Array, "U D"]:
     """The contribution of experts ``first .. first + n − 1`` (the rows of ``w1``/``w2``/``w3``) to every token.
 
     Token copies routed elsewhere sort after the local groups; ``ragged_dot`` leaves rows past the last group
@@ -154,9 +154,9 @@ def _local_experts(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: 
     order = jnp.argsort(key, stable=True)
     token = order // k
     sizes = jnp.bincount(key, length=n + 1)[:n].astype(jnp.int32)
-    xs = x[token]  # [T·K, D]
+    xs = x[token]  # [U·K, D]
 
-    def grouped(lhs, w):  # [E, out, in] -> rhs [E, in, out]
+    def grouped(lhs, w):  # [E, Y, X] -> rhs [E, X, Y]
         return jax.lax.ragged_dot(lhs, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=jnp.float32)
 
     act = clamped_swiglu(grouped(xs, w1), grouped(xs, w3), limit)
@@ -187,8 +187,8 @@ def expert_parallel(mesh: jax.sharding.Mesh | None):
         _EP_MESH.reset(token)
 
 
-def routed_experts_ep(x: Float[Array, "T D"], experts: Int[Array, "T K"], weights: Float[Array, "T K"],
-                      module: Experts, limit: float, mesh: jax.sharding.Mesh) -> Float[Array, "T D"]:
+def routed_experts_ep(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
+                      module: Experts, limit: float, mesh: jax.sharding.Mesh) -> Float[Array, "U D"]:
     """:func:`routed_experts` with the experts split over ``mesh``'s ``expert`` axis (``shard_map``).
 
     Tokens are split over as many of ``TOKEN_AXES`` as divide them. Each device gathers the tokens of its
@@ -196,7 +196,7 @@ def routed_experts_ep(x: Float[Array, "T D"], experts: Int[Array, "T K"], weight
     are summed back onto the tokens' owners (reduce-scatter). If the tokens cannot be split over ``expert``
     (e.g. decode at batch 1), every device of a group holds all of them and the partial outputs are all-reduced.
     Exact: the same products as :func:`routed_experts`; only the fp32 sum over a token's experts is ordered
-    differently. Traffic per MoE layer is 2·T·D per device, against T·K·D for an all-to-all dispatch: less
+    differently. Traffic per MoE layer is 2·U·D per device, against U·K·D for an all-to-all dispatch: less
     while the ``expert`` axis is no larger than K.
     """
     from jax.sharding import PartitionSpec as P

@@ -14,10 +14,10 @@ import jax
 
 # Muon groups (spec §9.2). One label per way of cutting a weight into independently orthogonalised
 # matrices; the transform behind each label knows its cut.
-MUON = "muon"  # one matrix [out, in]; stacked routed experts [E, out, in] one per expert
+MUON = "muon"  # one matrix [Y, X] (out, in); stacked routed experts [E, Y, X] one per expert
 MUON_Q_HEADS = "muon_q_heads"  # attn.wq_b [N·H, q_lora] as N matrices [H, q_lora]
 MUON_INDEX_HEADS = "muon_index_heads"  # indexer.wq_b [N_idx·H_idx, q_lora] as N_idx matrices
-MUON_OUT_GROUPS = "muon_out_groups"  # attn.wo_a [G·R, N/G·H] as G matrices [R, N/G·H] (block-diagonal) [INF]
+MUON_OUT_GROUPS = "muon_out_groups"  # attn.wo_a [O·R, N/O·H] as O matrices [R, N/O·H] (block-diagonal) [INF]
 # Sinkhorn-balanced momentum (spec §9.3): embed/head at ×1, Engram tables at ×engram_lr_mult
 SINKHORN = "sinkhorn"
 SINKHORN_ENGRAM = "sinkhorn_engram"

@@ -29,8 +29,8 @@ class MuonState(NamedTuple):
     momentum: optax.Updates  # M, one buffer per parameter
 
 
-def newton_schulz(x: Float[Array, "*B m n"], schedule: tuple[tuple[float, float, float], ...],
-                  eps: float) -> Float[Array, "*B m n"]:
+def newton_schulz(x: Float[Array, "*B Y X"], schedule: tuple[tuple[float, float, float], ...],
+                  eps: float) -> Float[Array, "*B Y X"]:
     """``X₀ = D/(‖D‖_F + eps)``, then ``X ← aX + b(XXᵀ)X + c(XXᵀ)²X`` with one (a, b, c) per iteration.
 
     Leading axes are batch: every trailing [m, n] matrix is orthogonalised separately. Matmuls run at JAX's
@@ -43,15 +43,16 @@ def newton_schulz(x: Float[Array, "*B m n"], schedule: tuple[tuple[float, float,
     return orthogonalize_via_newton_schulz(x, coeffs, len(schedule), "frobenius", eps, _OUT_IN)
 
 
-def split_rows(x: Float[Array, "*E R C"], blocks: int) -> Float[Array, "*E G r C"]:
-    """View rows [G·r, C] as G matrices [r, C]: heads of ``wq_b``, groups of ``wo_a`` (row-major, head-major)."""
+def split_rows(x: Float[Array, "*B Y X"], blocks: int) -> Float[Array, "*B blocks Y/blocks X"]:
+    """View rows [Y, X] as ``blocks`` matrices [Y/blocks, X]: heads of ``wq_b``, groups of ``wo_a`` (row-major,
+    head-major)."""
     if x.shape[-2] % blocks:
         raise ValueError(f"cannot split {x.shape[-2]} rows into {blocks} equal blocks (shape {x.shape})")
     return x.reshape(*x.shape[:-2], blocks, x.shape[-2] // blocks, x.shape[-1])
 
 
-def orthogonalized_update(d: Float[Array, "*E R C"], *, blocks: int, schedule, rms: float,
-                          eps: float) -> Float[Array, "*E R C"]:
+def orthogonalized_update(d: Float[Array, "*B Y X"], *, blocks: int, schedule, rms: float,
+                          eps: float) -> Float[Array, "*B Y X"]:
     """``NS(D)·sqrt(max(m, n))·rms`` for each [m, n] matrix of ``d`` (rows cut into ``blocks`` matrices)."""
     if d.ndim < 2:
         raise ValueError(f"Muon needs a matrix (or a stack of them), got shape {d.shape}")

@@ -27,13 +27,13 @@ class SinkhornState(NamedTuple):
     momentum: optax.Updates  # M, the only state (Adam would keep two; spec §9.3)
 
 
-def row_mask(n: Float[Array, "V D"], tau: float) -> Float[Array, "V"]:
+def row_mask(n: Float[Array, "V X"], tau: float) -> Float[Array, "V"]:
     """1 for rows whose L2 norm exceeds τ·(mean row norm over all rows, zero rows included), else 0."""
     rho = jnp.sqrt(jnp.sum(n * n, axis=-1))  # [V]
     return (rho > tau * jnp.mean(rho)).astype(jnp.float32)
 
 
-def _normalize(scale: Float[Array, "L"], norm: Float[Array, "L"], eps: float) -> Float[Array, "L"]:
+def _normalize(scale: Float[Array, " line"], norm: Float[Array, " line"], eps: float) -> Float[Array, " line"]:
     """``scale / (scale·norm + eps)``: the scaling after ``U ← U/(‖U‖ + eps)`` along one axis.
 
     An all-zero line of N (an unseen token's row, a feature no row uses) stays zero whatever its scale, but
@@ -42,13 +42,13 @@ def _normalize(scale: Float[Array, "L"], norm: Float[Array, "L"], eps: float) ->
     return jnp.where(norm > 0, scale / (scale * norm + eps), scale)
 
 
-def sinkhorn_direction(n: Float[Array, "V D"], *, tau: float, iters: int, eps: float) -> Float[Array, "V D"]:
-    """``Δ = sqrt(D)·U`` of Algorithm 1 for one table ``n`` [rows V, features D] (fp32)."""
+def sinkhorn_direction(n: Float[Array, "V X"], *, tau: float, iters: int, eps: float) -> Float[Array, "V X"]:
+    """``Δ = sqrt(X)·U`` of Algorithm 1 (its sqrt(D)) for one table ``n`` [rows V, features X] (fp32)."""
     if n.ndim != 2:
         raise ValueError(f"Sinkhorn-balanced momentum needs a 2-D table [rows, features], got shape {n.shape}")
     n = n.astype(jnp.float32)
     r = row_mask(n, tau)  # [V]
-    c = jnp.ones((n.shape[1],), jnp.float32)  # [D]
+    c = jnp.ones((n.shape[1],), jnp.float32)  # [X]
     for step in range(iters):
         if step % 2 == 0:  # ‖U_i‖ = r_i·‖N_i ⊙ c‖
             r = _normalize(r, jnp.sqrt(jnp.sum(jnp.square(n * c[None, :]), axis=1)), eps)

@@ -209,6 +209,7 @@ class PackedKV:
     lengths: Int[Array, "B"]  # tokens in the cache before the chunk
     n_new: Int[Array, "B"]
     write_floor: Int[Array, "B"]
+    ring_pos: Int[Array, "B W"]  # position each ring slot holds before the chunk (−1 = empty), every layer's
     rings: tuple[RingCache, ...]  # by layer
     sources: dict[int, SourceCache]  # by KV-source layer
     backend: str = field(default="xla", metadata=dict(static=True))  # attention.kernel_backend
@@ -217,7 +218,8 @@ class PackedKV:
     def of(cls, cfg: ModelConfig, cache: Cache, n_new: Array, write_floor: Array | None = None) -> PackedKV:
         floor = jnp.zeros_like(cache.lengths) if write_floor is None else write_floor
         sources = dict(zip(cfg.attention.kv_source_layers, cache.sources, strict=True))
-        return cls(cache.lengths, n_new, floor, cache.rings, sources, cfg.attention.kernel_backend)
+        ring_pos = ring_positions(cache.lengths, cfg.attention.window_size)
+        return cls(cache.lengths, n_new, floor, ring_pos, cache.rings, sources, cfg.attention.kernel_backend)
 
     def cache(self) -> Cache:
         """The cache after the chunk."""
@@ -266,8 +268,7 @@ class PackedKV:
         return None, read_main_kv(self.sources[layer.kv_source], topk, dtype, backend=self.backend)
 
     def window(self, layer, dtype):
-        ring = self.rings[layer.layer]
-        return read_ring(ring, dtype), ring_positions(self.lengths, ring.values.shape[1])
+        return read_ring(self.rings[layer.layer], dtype), self.ring_pos
 
     def write_window(self, layer, window_kv, vis):
         w = self.rings[layer.layer].values.shape[1]

@@ -33,16 +33,16 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "q_down": ("q_lora", "embed"),  # attn.wq_a
     "q_up": ("heads", "q_lora"),  # attn.wq_b: out = N·H
     "kv_down": ("kv", "embed"),  # attn.wkv, compressor.wkv / wgate
-    "out_group": ("heads", None),  # attn.wo_a: [G·R, N/G·H], grouped by heads
-    "out_proj": ("embed", "heads"),  # attn.wo_b: [D, G·R]
+    "out_group": ("heads", None),  # attn.wo_a: [O·R, N/O·H], grouped by heads
+    "out_proj": ("embed", "heads"),  # attn.wo_b: [D, O·R]
     "sink": ("heads",),
     "index_q_up": ("heads", "q_lora"),  # indexer.wq_b
     "index_weights": ("heads", "embed"),  # indexer.weights_proj
     "index_k": (None, "kv"),  # indexer.wk
     "router": ("experts", "embed"),
     "router_bias": ("experts",),
-    "expert_up": ("experts", "expert_hidden", "embed"),  # experts.w1 / w3: [E, I, D]
-    "expert_down": ("experts", "embed", "expert_hidden"),  # experts.w2: [E, D, I]
+    "expert_up": ("experts", "expert_hidden", "embed"),  # experts.w1 / w3: [E, F, D]
+    "expert_down": ("experts", "embed", "expert_hidden"),  # experts.w2: [E, D, F]
     "mlp_up": ("mlp", "embed"),  # shared_experts.w1 / w3
     "mlp_down": ("embed", "mlp"),  # shared_experts.w2
     "hc_fn": (None, "embed"),

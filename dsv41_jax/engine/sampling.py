@@ -60,7 +60,7 @@ def sample_logits(logits: Float[Array, "B V"], keys: Array, cfg: SamplingConfig)
 class DecodeState(NamedTuple):
     cache: C.Cache
     logits: Array  # [B, V] of the last fed token
-    history: Array  # Engram history [B, K-1]
+    history: Array  # Engram history [B, J-1]
     n_seen: Array  # [B]
     done: Array  # [B] bool
     keys: Array  # [B] per-sequence PRNG keys
@@ -175,7 +175,7 @@ class Generator:
 
 def _advance_history(tables: DeviceEngram, history: Array, n_seen: Array, tokens: Array, n_new: Array):
     """The Engram history after the first ``n_new[b]`` tokens of a ragged chunk (padding is never history)."""
-    ext = jnp.concatenate([history, tables.token_map[tokens]], axis=1)  # [B, K-1+S]
+    ext = jnp.concatenate([history, tables.token_map[tokens]], axis=1)  # [B, J-1+S]
     idx = n_new[:, None] + jnp.arange(history.shape[1])[None]
     return jnp.take_along_axis(ext, idx, axis=1), n_seen + n_new
 

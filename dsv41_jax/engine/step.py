@@ -36,7 +36,7 @@ class ChunkOptions(NamedTuple):
     skip_from: int | None = None
 
 
-def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"], engram_rows: Int[Array, "B S L C"],
+def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"], engram_rows: Int[Array, "B S L G"],
                   n_new: Int[Array, "B"], *, replay_start: Int[Array, "B"] | None = None,
                   write_floor: Int[Array, "B"] | None = None, is_image: Bool[Array, "B S"] | None = None,
                   options: ChunkOptions | None = None) -> tuple[Float[Array, "B V"], C.Cache]:

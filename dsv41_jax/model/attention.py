@@ -135,11 +135,11 @@ class Attention(nnx.Module):
         cfg, spec = self.cfg, self.spec
         x, q_latent = jax.lax.stop_gradient((x, q_latent))  # the indexer is detached (indexer_loss)
         ent = vis.entries(spec.ratio)
-        # a Reindex layer scores only its candidates where that reads fewer keys than scoring every entry once
-        # (decode); a long chunk scores every entry and masks. Both select the same entries: candidate slots
-        # are in entry order, and ties go to the lower entry either way
-        if spec.uses_candidates and not full_scores and (
-                x.shape[1] * shared.candidates.shape[-1] * cfg.candidate_block_size < shared.kv.n_entries(spec)):
+        # a Reindex layer scores only its candidates when they are fewer than the entries (fewer scores and a
+        # smaller [B, S, N, ·] intermediate per query), unless every entry's score is asked for (the indexer
+        # loss). Both select the same entries: candidate slots are in entry order, ties go to the lower entry
+        pool = None if shared.candidates is None else shared.candidates.shape[-1] * cfg.candidate_block_size
+        if spec.uses_candidates and not full_scores and pool < shared.kv.n_entries(spec):
             iq, w = self.indexer.queries(x, q_latent, vis.pos, self.freqs)
             return shared._replace(topk=self._topk_in_candidates(iq, w, shared, ent)), None
         keys = shared.kv.index_keys(spec, x.dtype)  # MXFP4 values: exact in the activation dtype

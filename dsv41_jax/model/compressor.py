@@ -48,7 +48,7 @@ class Compressor(nnx.Module):
         xf = x.astype(jnp.float32)
         return self.wkv(xf, dtype=jnp.float32), self.wgate(xf, dtype=jnp.float32)
 
-    def pool(self, c: Float[Array, "*B M H"], z: Float[Array, "*B M H"], dtype) -> Float[Array, "*B H"]:
+    def pool(self, c: Float[Array, "*B ratio H"], z: Float[Array, "*B ratio H"], dtype) -> Float[Array, "*B H"]:
         """Per-channel softmax over a group's m tokens, pool, cast, RMSNorm (pool first, then cast: §3.3)."""
         pooled = (jax.nn.softmax(z, axis=-2) * c).sum(axis=-2)
         return self.norm(pooled.astype(dtype))

@@ -94,7 +94,7 @@ class Transformer(nnx.Module):
         self.head = Embedding(cfg.vocab_size, cfg.dim, "head", cfg.dim ** -0.5, param_dtype=pdt, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, tokens: Int[Array, "B S"], engram_rows: Int[Array, "B S L C"] | None = None,
+    def __call__(self, tokens: Int[Array, "B S"], engram_rows: Int[Array, "B S L G"] | None = None,
                  is_image: Bool[Array, "B S"] | None = None, *, segment_ids: Int[Array, "B S"] | None = None,
                  positions: Int[Array, "B S"] | None = None, return_aux: bool = False,
                  indexer_target: str | None = None, remat: str = "none"):
@@ -114,7 +114,7 @@ class Transformer(nnx.Module):
                                        positions=positions, return_aux=return_aux, indexer_target=indexer_target,
                                        remat=remat)
 
-    def forward_embeddings(self, h: Float[Array, "B S D"], engram_rows: Int[Array, "B S L C"] | None = None,
+    def forward_embeddings(self, h: Float[Array, "B S D"], engram_rows: Int[Array, "B S L G"] | None = None,
                            is_image: Bool[Array, "B S"] | None = None, *,
                            segment_ids: Int[Array, "B S"] | None = None, positions: Int[Array, "B S"] | None = None,
                            return_aux: bool = False, indexer_target: str | None = None, remat: str = "none"):
@@ -168,7 +168,7 @@ class Transformer(nnx.Module):
                               precision="highest")
 
     def run_layers(self, x: Float[Array, "B S M D"], pre: Float[Array, "B S M"], shared: Shared, vis: Visibility, *,
-                   engram_rows: Int[Array, "B S L C"] | None = None, is_image: Bool[Array, "B S"] | None = None,
+                   engram_rows: Int[Array, "B S L G"] | None = None, is_image: Bool[Array, "B S"] | None = None,
                    schedule: Schedule | None = None, floor: Int[Array, "B"] | None = None, collect: bool = False):
         """The stack: Engram, then the block, layer after layer, with the CSA2 state flowing through ``shared``.
 

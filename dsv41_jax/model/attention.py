@@ -165,7 +165,7 @@ class Attention(nnx.Module):
         """
         cfg = self.cfg
         bs, blocks = cfg.candidate_block_size, shared.candidates
-        lo = 0 if ent.lo is None else ent.lo[..., None]
+        lo = 0 if ent.lo is None else ent.lo[..., None, None]  # blocks count from the document's first entry
         idx = (lo + blocks[..., None] * bs + jnp.arange(bs)).reshape(*blocks.shape[:2], -1)  # [B, S, NB·bs]
         ok = jnp.repeat(blocks >= 0, bs, axis=-1) & (idx < ent.hi[..., None])
         keys = shared.kv.index_keys_at(self.spec, jnp.where(ok, idx, 0), iq.dtype)

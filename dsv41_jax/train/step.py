@@ -1,18 +1,35 @@
-"""The jitted train step: packed next-token loss + MoE balance, gradient accumulation, optimizer, bias rule.
+"""The jitted train step of pre- and post-training, and pre-training's loss.
 
-Loss (per optimizer step, over all micro-batches): token-mean cross-entropy over positions whose next token
-is in the same document (the last token of every document and padding have no target), plus the V3-style
-sequence balance loss (spec model §5.3, weight ``optim.seq_balance_alpha``), computed per packed row, plus
-(when ``optim.indexer_kl_weight`` > 0) the indexer KL averaged over index sources and non-padding tokens
+One step (:func:`make_step`) serves both recipes; an :class:`Objective` says what differs: the micro-batch
+forward and its loss terms. For a batch whose leaves are [A, b, ...] (A micro-batches of b rows), the step
+
+* scans the micro-batches, summing their gradients. The loss is ``Σ_term weight · Σ_micro sum / count`` with
+  every denominator a count over the whole step's batch (:attr:`Objective.counts`), so the accumulated
+  gradient is the full-batch gradient exactly;
+* applies the optimizer update;
+* moves the router biases by the aux-loss-free rule after the update (they are not optimizer parameters;
+  spec model §5.3, §9.1), each layer's load counted over the rows its objective marks live
+  (:attr:`LossAux.live`). The batches mark no image tokens, so only the text biases move;
+* reports each loss term, ``loss`` (their weighted sum), ``grad_norm``, ``lr``, ``tokens`` (the count
+  ``tokens``: the main cross-entropy's denominator), ``imbalance``, and the objective's own metrics.
+
+Pre-training's objective (:func:`pretrain_objective`): token-mean cross-entropy over positions whose next
+token is in the same document (the last token of every document and padding have no target), plus the V3-style
+sequence balance loss (spec model §5.3, weight ``optim.seq_balance_alpha``) per packed row, plus (when
+``optim.indexer_kl_weight`` > 0) the indexer KL averaged over index sources and non-padding tokens
 (:mod:`dsv41_jax.model.indexer_loss`; it trains only the indexer). The model sees the batch's documents:
 ``segment_ids`` and ``positions`` mask attention per document (:mod:`dsv41_jax.model.documents`).
-The router biases move by the aux-loss-free rule after the update, text and image biases each on their own
-modality's load (spec model §5.3, §9.1); they are not optimizer parameters.
+Post-training's is :func:`dsv41_jax.posttrain.step.posttrain_objective`.
+
+``remat`` (none | block | dots), wherever a step takes it, means one thing: every differentiated forward
+rematerialises each transformer block in the backward pass, saving only the block's inputs (``block``) or
+also its matmul outputs (``dots``); ``none`` saves everything (``Transformer.__call__``'s ``remat``).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +43,8 @@ from jaxtyping import Array, Bool, Float, Int
 from dsv41_jax.model.indexer_loss import IndexerStats
 from dsv41_jax.model.moe import RouterBias, Routing, expert_parallel
 from dsv41_jax.model.transformer import Transformer
-from dsv41_jax.optim import OptimConfig, balance_loss, lr_at, optimizer, router_bias_update
+from dsv41_jax.optim import OptimConfig, balance_loss, expert_load, lr_at, optimizer, router_bias_update
+from dsv41_jax.optim.labels import path_name
 from dsv41_jax.sharding import BATCH_AXES, activation_sharding, named_shardings, state_partition_specs
 
 BATCH = BATCH_AXES  # mesh axes the batch is split over (experts see the tokens of their group)
@@ -37,6 +55,114 @@ class TrainState(NamedTuple):
     params: Any  # nnx.State of nnx.Param
     biases: Any  # nnx.State of RouterBias
     opt_state: Any
+
+
+def split_model(model: Transformer):
+    return nnx.split(model, nnx.Param, RouterBias, ...)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the step
+
+
+class LossAux(NamedTuple):
+    """What an objective's loss hands the step for one micro-batch (the step forms the loss from ``sums``)."""
+
+    sums: dict[str, Array]  # scalars summed over micro-batches: each term's numerator, and metric counters
+    experts: tuple[Array, ...]  # per MoE layer [R, S, K]: the experts each row was routed to
+    live: tuple[Array, ...]  # per layer [R, S]: the rows its bias rule and imbalance count
+
+
+class Term(NamedTuple):
+    weight: float
+    over: str  # the denominator: a key of Objective.counts (or "micro_batches")
+
+
+class Objective(NamedTuple):
+    """What pre- and post-training differ in; :func:`make_step` does the rest."""
+
+    terms: dict[str, Term]  # the loss terms, by the name of their sum; each is also a metric (Σ sum / count)
+    counts: Callable[[dict], dict[str, Any]]  # the step's batch [A, b, ...] -> denominators (≥ 1), with "tokens"
+    loss: Callable[[Transformer, dict, Array], LossAux]  # (model, micro-batch [b, ...], key) -> sums and routing
+    metrics: Callable[[dict, dict], dict] = lambda values, sums: {}  # (term values, step sums) -> more metrics
+
+
+def make_step(graphdef, rest, ocfg: OptimConfig, tx: optax.GradientTransformation, objective: Objective, *,
+              mesh: jax.sharding.Mesh | None = None, seed: int = 0):
+    """The pure step ``(TrainState, batch) -> (TrainState, metrics)``; ``batch`` leaves are [A, b, ...].
+
+    Micro-batch ``i`` of step ``t`` gets the key ``fold_in(fold_in(key(seed), t), i)`` (a resumed run draws
+    the same). With a ``mesh``, activations and the CSA2 shared state keep their batch split over ``BATCH`` at
+    every block boundary (:func:`~dsv41_jax.sharding.constrain_batch`), and if its ``expert`` axis has several
+    devices, MoE layers run expert-parallel (:func:`~dsv41_jax.model.moe.routed_experts_ep`).
+    """
+    terms = objective.terms
+
+    def micro_loss(params, biases, mb, key, counts):
+        aux = objective.loss(nnx.merge(graphdef, params, biases, rest), mb, key)
+        return sum(t.weight * aux.sums[name] / counts[t.over] for name, t in terms.items()), aux
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        with expert_parallel(mesh), activation_sharding(mesh):
+            return _step(state, batch)
+
+    def _step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        n_micro = next(iter(batch.values())).shape[0]
+        counts = objective.counts(batch) | {"micro_batches": n_micro}
+        step_key = jax.random.fold_in(jax.random.key(seed), state.step)
+        keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(jnp.arange(n_micro))
+
+        def accumulate(grads, xs):
+            (_, aux), g = grad_fn(state.params, state.biases, *xs, counts)
+            return jax.tree.map(jnp.add, grads, g), aux
+
+        grads, aux = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, state.params), (batch, keys))
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+        experts = [e.reshape(-1, *e.shape[2:]) for e in aux.experts]  # micro-batches merged: [A·R, S, K]
+        live = [v.reshape(-1, v.shape[-1]) for v in aux.live]
+        biases = bias_update(state.biases, experts, live, ocfg.bias_update_speed)
+        sums = {k: v.sum() for k, v in aux.sums.items()}
+        values = {name: sums[name] / counts[t.over] for name, t in terms.items()}
+        n_experts = jax.tree.leaves(state.biases)[0].shape[-1]  # every router bias is [E]
+        metrics = values | {"loss": sum(t.weight * values[name] for name, t in terms.items()),
+                            "grad_norm": optax.tree.norm(grads), "lr": lr_at(state.step, ocfg),
+                            "tokens": counts["tokens"], "imbalance": imbalance(experts, live, n_experts)}
+        return TrainState(state.step + 1, params, biases, opt_state), metrics | objective.metrics(values, sums)
+
+    return step
+
+
+def bias_update(biases, experts: list[Array], live: list[Bool[Array, "N S"]], speed: float):
+    """The aux-loss-free rule (:func:`~dsv41_jax.optim.router_bias_update`), each layer's load counted over
+    that layer's live rows."""
+    routing = [Routing(e, None, None) for e in experts]
+    moved = {}
+    for i, layer in biases["layers"].items():  # the rule on one layer's biases at a time
+        new = router_bias_update({"layers": {i: layer}}, routing, speed, valid=live[i])
+        moved |= {path_name(p): b for p, b in jax.tree_util.tree_flatten_with_path(new)[0]}
+    return jax.tree_util.tree_map_with_path(lambda p, _: moved[path_name(p)], biases)
+
+
+def imbalance(experts: list[Array], live: list[Array], n_experts: int) -> Array:
+    """Max over MoE layers of (busiest expert's load / mean load) over live rows: 1.0 is perfectly balanced."""
+    out = []
+    for e, v in zip(experts, live, strict=True):
+        load = expert_load(e, n_experts, v)
+        out.append(load.max() / jnp.maximum(load.mean(), 1e-9))
+    return jnp.max(jnp.stack(out))
+
+
+# ----------------------------------------------------------------------------------------------------
+# loss pieces, and pre-training's objective
+
+
+def count(x: Array) -> Float[Array, ""]:
+    """``Σ x`` as a step denominator: at least 1, so a batch without such tokens divides a zero sum by 1."""
+    return jnp.maximum(jnp.sum(x), 1).astype(jnp.float32)
 
 
 def targets_and_mask(tokens: Int[Array, "B S"], segment_ids: Int[Array, "B S"]):
@@ -50,105 +176,58 @@ def token_nll(logits: Float[Array, "B S V"], targets: Int[Array, "B S"]) -> Floa
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
 
 
-class StepFns(NamedTuple):
-    init: Any  # (model, opt cfg) -> TrainState, see make_state
-    step: Any  # jitted (TrainState, batch) -> (TrainState, metrics)
-    graphdef: Any
-    rest: Any
+def indexer_sums(stats: tuple[IndexerStats, ...], rows: list[Bool[Array, "B S"]]) -> dict[str, Array]:
+    """``indexer_kl`` (Σ KL / number of sources), ``indexer_agree`` (Σ top-k agreement) and ``indexer_queries``
+    (the queries that sum is over), each index source counting the queries of its ``rows`` mask. A query that
+    sees no compressed entry adds 0 to the KL sum and is left out of the agreement."""
+    pairs = list(zip(stats, rows, strict=True))
+    zero = jnp.zeros((), jnp.float32)
+    return {"indexer_kl": sum((jnp.sum(jnp.where(r, s.kl, 0.0)) for s, r in pairs), zero) / max(len(pairs), 1),
+            "indexer_agree": sum((jnp.sum(jnp.where(r & s.valid, s.agreement, 0.0)) for s, r in pairs), zero),
+            "indexer_queries": jnp.asarray(sum(jnp.sum(r & s.valid) for s, r in pairs), jnp.float32)}
 
 
-def split_model(model: Transformer):
-    return nnx.split(model, nnx.Param, RouterBias, ...)
+def indexer_agreement(sums: dict) -> dict:
+    return {"indexer_agreement": sums["indexer_agree"] / jnp.maximum(sums["indexer_queries"], 1)}
+
+
+def packed_loss(model: Transformer, tokens: Int[Array, "B S"], engram_rows, segment_ids: Int[Array, "B S"],
+                positions, *, alpha: float, indexer_target: str | None = None, remat: str = "none") -> LossAux:
+    """The training forward over packed documents: summed next-token NLL (``ce``), the sequence balance loss
+    of its rows (``balance``) and, with an ``indexer_target``, :func:`indexer_sums` over non-padding tokens."""
+    logits, aux = model(tokens, engram_rows, segment_ids=segment_ids, positions=positions, return_aux=True,
+                        indexer_target=indexer_target, remat=remat)  # [b, S, V]
+    targets, mask = targets_and_mask(tokens, segment_ids)
+    real = segment_ids > 0
+    sums = {"ce": jnp.sum(token_nll(logits, targets) * mask), "balance": balance_loss(aux.routing, alpha, real)}
+    if indexer_target is not None:
+        sums |= indexer_sums(aux.indexer, [real] * len(aux.indexer))
+    return LossAux(sums, tuple(r.experts for r in aux.routing), (real,) * len(aux.routing))
+
+
+def pretrain_objective(ocfg: OptimConfig, remat: str = "none") -> Objective:
+    """Packed next-token CE (token mean) + sequence balance (per micro-batch) + indexer KL (per real token)."""
+    target = ocfg.indexer_kl_over if ocfg.indexer_kl_weight > 0 else None
+
+    def counts(batch):
+        return {"tokens": count(jax.vmap(targets_and_mask)(batch["tokens"], batch["segment_ids"])[1]),
+                "real": count(batch["segment_ids"] > 0)}
+
+    def loss(model, mb, key):
+        return packed_loss(model, mb["tokens"], mb.get("engram_rows"), mb["segment_ids"], mb.get("positions"),
+                           alpha=ocfg.seq_balance_alpha, indexer_target=target, remat=remat)
+
+    terms = {"ce": Term(1.0, "tokens"), "balance": Term(1.0, "micro_batches")}
+    if target is None:
+        return Objective(terms, counts, loss)
+    terms["indexer_kl"] = Term(ocfg.indexer_kl_weight, "real")
+    return Objective(terms, counts, loss, lambda values, sums: indexer_agreement(sums))
 
 
 def make_train_step(graphdef, rest, model_cfg, ocfg: OptimConfig, tx: optax.GradientTransformation,
                     remat: str = "none", mesh: jax.sharding.Mesh | None = None):
-    """The pure step ``(TrainState, batch) -> (TrainState, metrics)``; ``batch`` leaves are [A, b, ...].
-
-    With a ``mesh``, activations and the CSA2 shared state keep their batch split over ``BATCH`` at every block
-    boundary (:func:`~dsv41_jax.sharding.constrain_batch`), and if its ``expert`` axis has several devices,
-    MoE layers run expert-parallel (:func:`~dsv41_jax.model.moe.routed_experts_ep`).
-
-    ``remat`` (none | block | dots) rematerialises each transformer block in the backward pass.
-    """
-    target = ocfg.indexer_kl_over if ocfg.indexer_kl_weight > 0 else None
-
-    def micro_loss(params, biases, mb, n_tok, n_real, n_micro):
-        model = nnx.merge(graphdef, params, biases, rest)
-        logits, aux = model(mb["tokens"], mb.get("engram_rows"), segment_ids=mb["segment_ids"],
-                            positions=mb.get("positions"), return_aux=True, indexer_target=target,
-                            remat=remat)  # [b, S, V]
-        targets, mask = targets_and_mask(mb["tokens"], mb["segment_ids"])
-        ce_sum = jnp.sum(token_nll(logits, targets) * mask)
-        bal = balance_loss(aux.routing, ocfg.seq_balance_alpha, mb["segment_ids"] > 0)
-        idx = indexer_sums(aux.indexer, mb["segment_ids"] > 0)
-        # token-mean over the whole step, so accumulation gives the full-batch gradient exactly
-        loss = ce_sum / n_tok + bal / n_micro + ocfg.indexer_kl_weight * idx[0] / n_real
-        return loss, (ce_sum, bal, tuple(r.experts for r in aux.routing), idx)
-
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        with expert_parallel(mesh), activation_sharding(mesh):
-            return _step(state, batch)
-
-    def _step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        n_micro = batch["tokens"].shape[0]
-        mask = jax.vmap(targets_and_mask)(batch["tokens"], batch["segment_ids"])[1]
-        n_tok = jnp.maximum(mask.sum(), 1).astype(jnp.float32)
-        n_real = jnp.maximum((batch["segment_ids"] > 0).sum(), 1).astype(jnp.float32)
-
-        def accumulate(grads, mb):
-            (_, (ce_sum, bal, experts, idx)), g = grad_fn(state.params, state.biases, mb, n_tok, n_real, n_micro)
-            return jax.tree.map(jnp.add, grads, g), (ce_sum, bal, experts, idx)
-
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, (ce_sums, bals, experts, idx) = jax.lax.scan(accumulate, zeros, batch)
-        with jax.named_scope("optimizer"):
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-        # the bias rule needs only the selections; micro-batches merge into one batch axis
-        routing = [Routing(e.reshape(-1, *e.shape[2:]), None, None) for e in experts]
-        valid = (batch["segment_ids"] > 0).reshape(-1, batch["segment_ids"].shape[-1])
-        biases = router_bias_update(state.biases, routing, ocfg.bias_update_speed, valid=valid)
-        ce = ce_sums.sum() / n_tok
-        bal = bals.mean()
-        metrics = {"loss": ce + bal, "ce": ce, "balance": bal, "grad_norm": optax.tree.norm(grads),
-                   "lr": lr_at(state.step, ocfg), "tokens": n_tok, "imbalance": _imbalance(experts, valid,
-                                                                                            model_cfg)}
-        if target is not None:
-            kl = idx[0].sum() / n_real
-            metrics |= {"loss": metrics["loss"] + ocfg.indexer_kl_weight * kl, "indexer_kl": kl,
-                        "indexer_agreement": idx[1].sum() / jnp.maximum(idx[2].sum(), 1)}
-        return TrainState(state.step + 1, params, biases, opt_state), metrics
-
-    return step
-
-
-def indexer_sums(stats: tuple[IndexerStats, ...], real: Bool[Array, "B S"]):
-    """``(Σ KL / n_sources, Σ agreement, count)`` over non-padding queries of every index source.
-
-    A query that sees no compressed entry adds 0 to the KL sum and is left out of the agreement.
-    """
-    zero = jnp.zeros((), jnp.float32)
-    if not stats:
-        return zero, zero, zero
-    kl = sum(jnp.sum(jnp.where(real, s.kl, 0.0)) for s in stats) / len(stats)
-    agree = sum(jnp.sum(jnp.where(real & s.valid, s.agreement, 0.0)) for s in stats)
-    count = sum(jnp.sum(real & s.valid) for s in stats).astype(jnp.float32)
-    return kl, agree, count
-
-
-def _imbalance(experts, valid: Bool[Array, "N S"], model_cfg) -> Float[Array, ""]:
-    """Max over MoE layers of (busiest expert's load / mean load): 1.0 is perfectly balanced."""
-    n = model_cfg.moe.n_routed_experts
-    out = []
-    for e in experts:
-        e = e.reshape(-1, *e.shape[2:])  # [N, S, K]
-        w = jnp.repeat(valid.reshape(-1).astype(jnp.float32), e.shape[-1])
-        load = jnp.bincount(e.reshape(-1), weights=w, length=n)
-        out.append(load.max() / jnp.maximum(load.mean(), 1e-9))
-    return jnp.max(jnp.stack(out))
+    """Pre-training's step: :func:`make_step` with :func:`pretrain_objective` (``model_cfg`` is not needed)."""
+    return make_step(graphdef, rest, ocfg, tx, pretrain_objective(ocfg, remat), mesh=mesh)
 
 
 # ----------------------------------------------------------------------------------------------------

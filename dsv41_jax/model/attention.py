@@ -33,7 +33,7 @@ from dsv41_jax.model.kv_store import KVStore, Visibility
 from dsv41_jax.model.layers import Linear, RMSNorm
 from dsv41_jax.model.rope import apply_rope, rope_frequencies
 from dsv41_jax.model.sparse import entry_mass, sparse_attention
-from dsv41_jax.sharding import param
+from dsv41_jax.sharding import batch_local, param
 from dsv41_jax.topology import LayerSpec
 
 
@@ -170,7 +170,8 @@ class Attention(nnx.Module):
         ok = jnp.repeat(blocks >= 0, bs, axis=-1) & (idx < ent.hi[..., None])
         keys = shared.kv.index_keys_at(self.spec, jnp.where(ok, idx, 0), iq.dtype)
         scores = jnp.where(ok, gathered_index_scores(iq, w, keys), -jnp.inf)
-        _, j = jax.lax.top_k(scores, min(cfg.index_topk, scores.shape[-1]))
+        # per device on its own rows: top_k would otherwise run on the gathered batch
+        j = batch_local(lambda v: jax.lax.top_k(v, min(cfg.index_topk, v.shape[-1]))[1], scores)
         sel = jnp.take_along_axis(jnp.where(ok, idx, -1), j, axis=-1)
         sel = jnp.sort(jnp.where(sel >= 0, sel, jnp.iinfo(jnp.int32).max), axis=-1)
         return jnp.where(sel < ent.hi[..., None], sel, -1).astype(jnp.int32)

@@ -95,13 +95,6 @@ def block_mask(ids: Int[Array, "B S K"], n_blocks_total: int) -> Bool[Array, "B 
     return scatter(ids)
 
 
-def candidate_blocks(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], block_size: int,
-                     n_blocks: int, *, backend: str = "xla") -> Bool[Array, "B S NB"]:
-    """:func:`candidate_block_ids` as a per-block mask over all ``ceil(T / block_size)`` blocks."""
-    ids = candidate_block_ids(scores, n_visible, block_size, n_blocks, backend=backend)
-    return block_mask(ids, -(-scores.shape[-1] // block_size))
-
-
 def expand_blocks(blocks: Bool[Array, "B S NB"], block_size: int, length: int) -> Bool[Array, "B S T"]:
     return jnp.repeat(blocks, block_size, axis=-1)[..., :length]
 

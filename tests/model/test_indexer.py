@@ -12,10 +12,18 @@ import pytest
 from flax import nnx
 
 from dsv41_jax import quant
-from dsv41_jax.model.indexer import Indexer, candidate_blocks, expand_blocks, select_topk
+from dsv41_jax.model.indexer import Indexer, block_mask, candidate_block_ids, expand_blocks, select_topk
 from dsv41_jax.model.rope import rope_frequencies
 
 NEG_INF = -np.inf
+
+
+
+def candidate_blocks(scores, n_visible, block_size, n_blocks):
+    """The kept blocks as a per-block mask over all ``ceil(T / block_size)`` blocks."""
+    ids = candidate_block_ids(scores, n_visible, block_size, n_blocks)
+    return block_mask(ids, -(-scores.shape[-1] // block_size))
+
 
 candidate_jit = jax.jit(candidate_blocks, static_argnames=("block_size", "n_blocks"))
 topk_jit = jax.jit(select_topk, static_argnames=("k",))

@@ -52,6 +52,11 @@ DTYPES: dict[str, np.dtype] = {
     "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
 _NAMES: dict[np.dtype, str] = {dt.newbyteorder("<"): name for name, dt in DTYPES.items()}
+# The reference writer (the safetensors crate) lays tensors out by its Dtype enum, last variant first, then
+# by name, and lists the header in that data order; writing the same keeps a re-written release shard
+# byte-identical to the original.
+_WRITE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16", "BF16", "I32", "U32",
+                "F32", "F64", "I64", "U64")
 
 # The reference implementation refuses headers above 100 MB; a larger value means a corrupt file.
 _MAX_HEADER = 100_000_000
@@ -223,7 +228,7 @@ def _header_bytes(layout: dict[str, dict], metadata: Mapping[str, str] | None) -
         if bad:
             raise SafetensorsError(f"metadata must map str to str; offending entries: {bad}")
         header[_META] = dict(metadata)
-    for name in sorted(layout):
+    for name in sorted(layout, key=lambda n: layout[n]["data_offsets"]):  # data order, as the reference writes
         header[name] = layout[name]
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     # The format pads the header with spaces so the data buffer starts 8-byte aligned.
@@ -233,8 +238,9 @@ def _header_bytes(layout: dict[str, dict], metadata: Mapping[str, str] | None) -
 def save_file(tensors: Mapping[str, Any], path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
     """Write `tensors` as one safetensors file, atomically (temp file in the same dir + os.replace).
 
-    Header keys are sorted by name. The data buffer is laid out by decreasing itemsize, then name
-    (as the reference writer does), so every tensor is naturally aligned and there are no holes.
+    As the reference writer does: the data buffer is laid out by dtype (``_WRITE_ORDER``, widest first), then
+    name, so every tensor is naturally aligned and there are no holes; the header lists the tensors in that
+    order. A release shard read and written back is byte-identical.
     """
     path = Path(path)
     arrays: dict[str, np.ndarray] = {}
@@ -246,15 +252,17 @@ def save_file(tensors: Mapping[str, Any], path: str | os.PathLike, metadata: Map
             a = a.astype(a.dtype.newbyteorder("<"))
         # not np.ascontiguousarray: it turns 0-d scalars into shape (1,)
         arrays[name] = a if a.flags.c_contiguous else a.copy(order="C")
-    order = sorted(arrays, key=lambda k: (-arrays[k].dtype.itemsize, k))
+    names = {}
+    for name, a in arrays.items():
+        try:
+            names[name] = dtype_name(a.dtype)
+        except SafetensorsError as e:
+            raise SafetensorsError(f"{path}: tensor {name!r}: {e}") from None
+    order = sorted(arrays, key=lambda k: (-_WRITE_ORDER.index(names[k]), k))
     layout, offset = {}, 0
     for name in order:
         a = arrays[name]
-        try:
-            dt = dtype_name(a.dtype)
-        except SafetensorsError as e:
-            raise SafetensorsError(f"{path}: tensor {name!r}: {e}") from None
-        layout[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        layout[name] = {"dtype": names[name], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     header = _header_bytes(layout, metadata)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")

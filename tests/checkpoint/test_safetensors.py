@@ -158,8 +158,8 @@ def test_written_header_follows_the_format(tmp_path):
     raw = path.read_bytes()
     text = raw[8:start]
     assert start % 8 == 0 and text.rstrip(b" ").endswith(b"}")  # padded with spaces only
-    assert list(header) == sorted(header)  # header keys sorted by name
-    spans = sorted(rec["data_offsets"] for rec in header.values())
+    spans = [rec["data_offsets"] for rec in header.values()]
+    assert list(header) == ["a", "c", "b"] and spans == sorted(spans)  # widest dtype first; listed in data order
     assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # no holes
     assert spans[-1][1] == len(raw) - start
     for rec in header.values():  # every tensor naturally aligned in the file

@@ -4,6 +4,8 @@ Output directory::
 
     OUT/config.json             the source's config.json, byte for byte (spec model §1.1)
     OUT/tokenizer.json          copied; the Engram token map is derived from it (spec model §6.2)
+    OUT/model.safetensors.index.json, OUT/inference/config.json, OUT/tokenizer_config.json
+                                copied where present: ``dsv41 export`` writes the same shards and files
     OUT/dsv41_checkpoint.json   manifest: weights mode, source fingerprint, arrays and bytes
     OUT/params/                 Orbax PyTree checkpoint, one zarr array per parameter (``store.py``)
 
@@ -40,7 +42,8 @@ PARAMS = "params"
 FORMAT, VERSION = "dsv41-orbax-params", 1
 MESH_AXES = ("data", "fsdp", "expert", "tensor")  # dsv41_jax.sharding
 _JOURNAL, _SETTINGS = "journal.jsonl", "convert.json"
-_COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json")
+_COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json",
+           "inference/config.json")
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,7 @@ def _finish(partial: Path, out: Path, hf_dir: Path, outputs: list[Output], manif
     store.write_tree_metadata(partial / PARAMS, {o.name: (o.shape, o.dtype) for o in outputs})
     for name in _COPIED:
         if (hf_dir / name).is_file():
+            (partial / name).parent.mkdir(exist_ok=True)
             shutil.copyfile(hf_dir / name, partial / name)
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     for name in (_JOURNAL, _SETTINGS):

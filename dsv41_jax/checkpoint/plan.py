@@ -5,7 +5,10 @@ Parameter names are the checkpoint's own (spec model §2.8), HF aliases normalis
 experts stacked on a leading axis [E, out, in]. Weights modes: ``fp32`` / ``bf16`` dequantise FP8 and FP4
 (exact in both dtypes) and keep F32 tensors in F32; ``native`` keeps FP8 weights, packed FP4 experts and
 their E8M0 scales (as uint8 bytes) as stored, except ``attn.wo_a``, which the reference dequantises to
-bf16 at load (spec model §2.5, §2.6 step 6) and so do we: the model applies it as a grouped einsum.
+bf16 at load (spec model §2.5, §2.6 step 6) and so do we: the model applies it as a grouped einsum. Its
+source scale is kept beside it (``attn.wo_a.scale``, unused by the model): ``dsv41 export`` re-encodes the
+bf16 values with it, so the FP8 bytes come back as they were (a dequantised tile alone does not say which
+of two power-of-two scales it was stored with).
 """
 
 from __future__ import annotations
@@ -156,8 +159,11 @@ def _outputs_for(name: str, ws: list[TensorSpec], ss: list[TensorSpec], stacked:
     shape = (w.shape[0], 2 * w.shape[1]) if fp4 else w.shape
     block = (1, 32) if fp4 or ".engram.embed." in name else (32, 32)  # spec model §2.2
     dtype = _BF16 if mode == "native" else _float_dtype("BF16", mode)
-    return [Output(name, lead + shape, dtype, "fp4" if fp4 else "fp8", srcs, scales, block, bytes_w + bytes_s,
-                   stacked)]
+    out = Output(name, lead + shape, dtype, "fp4" if fp4 else "fp8", srcs, scales, block, bytes_w + bytes_s, stacked)
+    if mode != "native":
+        return [out]
+    scale_name = name[: -len("weight")] + "scale"  # wo_a: the source's scale, for export
+    return [out, Output(scale_name, lead + ss[0].shape, _U8, "raw", scales, stacked=stacked)]
 
 
 def config_outputs(cfg: C.ModelConfig, mode: str, src: Mapping[str, str] | None = None) -> list[Output]:

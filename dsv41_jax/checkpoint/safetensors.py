@@ -14,7 +14,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,6 +29,7 @@ __all__ = [
     "TensorInfo",
     "dtype_name",
     "save_file",
+    "write_streamed",
 ]
 
 # safetensors dtype string -> numpy dtype (explicitly little-endian: the format is little-endian).
@@ -245,25 +246,38 @@ def save_file(tensors: Mapping[str, Any], path: str | os.PathLike, metadata: Map
     path = Path(path)
     arrays: dict[str, np.ndarray] = {}
     for name, t in tensors.items():
-        if not isinstance(name, str) or name == _META:
-            raise SafetensorsError(f"{path}: invalid tensor name {name!r}")
         a = np.asarray(t)
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         # not np.ascontiguousarray: it turns 0-d scalars into shape (1,)
         arrays[name] = a if a.flags.c_contiguous else a.copy(order="C")
-    names = {}
+    specs = {}
     for name, a in arrays.items():
         try:
-            names[name] = dtype_name(a.dtype)
+            specs[name] = (dtype_name(a.dtype), a.shape)
         except SafetensorsError as e:
             raise SafetensorsError(f"{path}: tensor {name!r}: {e}") from None
-    order = sorted(arrays, key=lambda k: (-_WRITE_ORDER.index(names[k]), k))
+    write_streamed(path, specs, lambda name: iter((arrays[name],)), metadata)
+
+
+def write_streamed(path: str | os.PathLike, specs: Mapping[str, tuple[str, tuple[int, ...]]],
+                   produce: Callable[[str], Iterable[np.ndarray]], metadata: Mapping[str, str] | None = None
+                   ) -> None:
+    """Write one safetensors file laid out as :func:`save_file` lays it out, with each tensor's data coming in
+    bands: ``specs`` is ``{name: (dtype string, shape)}``; ``produce(name)`` yields consecutive leading-axis
+    bands of that tensor, so only one band is in memory at a time. Atomic like ``save_file``.
+    """
+    path = Path(path)
+    for name in specs:
+        if not isinstance(name, str) or name == _META:
+            raise SafetensorsError(f"{path}: invalid tensor name {name!r}")
+    order = sorted(specs, key=lambda k: (-_WRITE_ORDER.index(specs[k][0]), k))
     layout, offset = {}, 0
     for name in order:
-        a = arrays[name]
-        layout[name] = {"dtype": names[name], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
+        dtype, shape = specs[name]
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        layout[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     header = _header_bytes(layout, metadata)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
@@ -271,12 +285,28 @@ def save_file(tensors: Mapping[str, Any], path: str | os.PathLike, metadata: Map
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
             for name in order:
-                if arrays[name].nbytes:
-                    f.write(memoryview(arrays[name].reshape(-1).view(np.uint8)))
+                _write_bands(f, path, name, specs[name], produce(name), layout[name]["data_offsets"])
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _write_bands(f, path: Path, name: str, spec: tuple[str, tuple[int, ...]], bands: Iterable[np.ndarray],
+                 span: list[int]) -> None:
+    dtype = DTYPES[spec[0]]
+    written = 0
+    for band in bands:
+        a = np.asarray(band)
+        a = a if a.flags.c_contiguous else a.copy(order="C")  # not ascontiguousarray: 0-d stays 0-d
+        if a.dtype.newbyteorder("<") != dtype.newbyteorder("<") or a.shape[1:] != tuple(spec[1][1:]):
+            raise SafetensorsError(f"{path}: tensor {name!r}: a band of {a.dtype}{list(a.shape)} does not fit "
+                                   f"{spec[0]}{list(spec[1])}")
+        if a.nbytes:
+            f.write(memoryview(a.astype(dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8)))
+        written += a.nbytes
+    if written != span[1] - span[0]:
+        raise SafetensorsError(f"{path}: tensor {name!r}: {written} bytes were produced for {span[1] - span[0]}")
 
 
 class ShardedCheckpoint:

@@ -252,12 +252,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bad input is one ``error:`` line and exit code 2; a run that had to stop (``TrainingStopped``: a
+    non-finite loss, a failed save) one line and exit code 1."""
+    from dsv41_jax.train.guard import TrainingStopped
+
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except (C.ConfigError, ConvertError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except TrainingStopped as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,7 +19,11 @@ reported and removed.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
+import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +32,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from dsv41_jax.checkpoint import checksums
 from dsv41_jax.config import ConfigError
+from dsv41_jax.train.guard import TrainingStopped, state_is_finite
 
 ITEMS = ("state", "data", "config")
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -38,6 +44,10 @@ REQUIRED = ("_CHECKPOINT_METADATA", "state/_METADATA", "data/metadata", "config/
 
 class CheckpointDamaged(RuntimeError):
     """A step directory that cannot be resumed from; the message says why."""
+
+
+class AllCheckpointsDamaged(ConfigError):
+    """Not one step of a run directory restores: the run refuses to start over silently."""
 
 
 def _gather_json(obj) -> list:
@@ -67,6 +77,9 @@ class RunCheckpointer:
         self.dir = self.run_dir / "checkpoints"
         self.every = every
         self.keep = keep
+        self.pending: int | None = None  # the step whose asynchronous save is not yet confirmed
+        self.good: int | None = None  # the newest step known to be complete on disk
+        quiet_orbax_errors()
         self.manager = self._manager()
 
     def _manager(self) -> ocp.CheckpointManager:
@@ -81,11 +94,58 @@ class RunCheckpointer:
         return last or (self.every > 0 and step % self.every == 0)
 
     def save(self, step: int, state, data_state: dict, config: dict) -> None:
-        """Save ``step`` (asynchronously); ``data_state`` is this process's iterator state."""
+        """Save ``step`` (asynchronously, after the previous save is confirmed); ``data_state`` is this
+        process's iterator state. A failure of this save or of the previous one is a :class:`TrainingStopped`."""
+        self.wait()
+        if not state_is_finite(state):  # the step never applies a non-finite update; this is the last line
+            raise TrainingStopped(f"the train state of step {step} holds NaN or inf values; it was not saved")
         data = {"process_count": jax.process_count(), "processes": _gather_json(data_state)}
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
-            config=ocp.args.JsonSave(json.loads(json.dumps(config, default=str)))))
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
+                config=ocp.args.JsonSave(json.loads(json.dumps(config, default=str)))))
+        except Exception as err:
+            raise self._failed(step, err) from err
+        self.pending = step
+
+    def poll(self) -> None:
+        """Between steps, without waiting: confirm a save that has finished, or raise its failure."""
+        if self.pending is not None and not self.manager.is_saving_in_progress():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the outstanding save; then record its checksums and take it as the last good step."""
+        step, self.pending = self.pending, None
+        if step is None:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:
+            raise self._failed(step, err) from err
+        if jax.process_index() == 0:
+            try:
+                checksums.write(self.dir / str(step))
+            except OSError as err:
+                raise self._failed(step, err) from err
+        self.good = step
+
+    def _failed(self, step: int, err: BaseException) -> TrainingStopped:
+        return TrainingStopped(f"saving checkpoint step {step} to {self.dir} failed ({_reason(err)}): free "
+                               "space or fix the directory")
+
+    def check_room(self, state, log: Callable[[str], None] = print) -> None:
+        """Refuse a run whose checkpoint directory lacks room for one checkpoint of ``state`` (its arrays'
+        bytes); say so when it has room for fewer than ``keep`` + 1."""
+        need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+        check_writable(self.dir)
+        free = shutil.disk_usage(self.dir).free
+        if free < need:
+            raise ConfigError(f"checkpoint.dir {self.run_dir}: {free / 2**20:,.1f} MiB free, but one checkpoint of "
+                              f"this run takes about {need / 2**20:,.1f} MiB; free space or choose another "
+                              "checkpoint.dir")
+        if free < need * (self.keep + 1):
+            log(f"warning: {self.dir} has room for about {free // max(need, 1)} checkpoints of "
+                f"{need / 2**20:,.1f} MiB; checkpoint.keep is {self.keep}, plus one being written")
 
     def restore(self, step: int, like) -> tuple[object, dict]:
         """The TrainState of ``step`` placed like ``like`` (any mesh: Orbax reshards), and this process's
@@ -93,6 +153,9 @@ class RunCheckpointer:
         missing = [f for f in REQUIRED if not (self.dir / str(step) / f).exists()]
         if missing:
             raise CheckpointDamaged(f"incomplete: {', '.join(missing)} missing")
+        changed = checksums.verify(self.dir / str(step))
+        if changed:
+            raise CheckpointDamaged(changed)
         self._check_same_state(step, like)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         try:
@@ -130,23 +193,42 @@ class RunCheckpointer:
                               "new checkpoint.dir")
 
     def restore_latest(self, like, log: Callable[[str], None] = print, *, read_only: bool = False,
-                       ) -> tuple[int, object, dict] | None:
-        """(step, state, data state) of the newest step that restores, or None when there is none.
+                       start_fresh: bool = False) -> tuple[int, object, dict] | None:
+        """(step, state, data state) of the newest step that restores, or None when there is no step.
 
         Damaged steps are moved aside (by process 0) with a message naming the step and the reason;
-        ``read_only`` only skips them (and leaves temporary directories alone)."""
+        ``read_only`` only skips them (and leaves temporary directories alone). When every step is damaged
+        nothing is moved and :class:`AllCheckpointsDamaged` is raised, unless ``start_fresh`` (then they are
+        moved aside and None is returned: the run starts from step 0)."""
         if not read_only:
             self._drop_tmp(log)
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        damaged: dict[int, str] = {}
+        for step in steps:
             try:
                 state, data = self.restore(step, like)
             except CheckpointDamaged as err:
-                where = "skipping it" if read_only else f"moving it to {self._reject(step)}"
-                log(f"checkpoint step {step} at {self.dir / str(step)} is damaged ({err}); {where} and trying "
-                    "the previous step")
+                damaged[step] = str(err)
                 continue
+            for bad, why in damaged.items():
+                where = "skipped" if read_only else f"moved to {self._reject(bad)}"
+                log(f"checkpoint step {bad} at {self.dir / str(bad)} is damaged ({why}); {where}, using step {step}")
+            self.good = step
             return step, state, data
+        if damaged and not start_fresh:
+            raise AllCheckpointsDamaged(self._all_damaged(damaged))
+        for bad, why in damaged.items():
+            log(f"checkpoint step {bad} is damaged ({why}); moved to {self._reject(bad)}")
+        if damaged:
+            log(f"every checkpoint in {self.dir} was damaged: starting from step 0 (checkpoint.start_fresh)")
         return None
+
+    def _all_damaged(self, damaged: dict[int, str]) -> str:
+        newest = max(damaged)
+        others = f" (also damaged: step {', '.join(map(str, sorted(damaged)[:-1]))})" if len(damaged) > 1 else ""
+        return (f"every checkpoint in {self.dir} is damaged: step {newest}: {damaged[newest]}{others}. Nothing was "
+                "changed. To start over from step 0 anyway, rerun with checkpoint.start_fresh=true (the damaged "
+                "steps move to rejected_checkpoints/), or use a new checkpoint.dir")
 
     def run_config(self, step: int) -> dict:
         """The run config saved with ``step`` (the ``TrainConfig`` as a dict)."""
@@ -177,8 +259,81 @@ class RunCheckpointer:
             self.manager.reload()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the last save (its failure is raised after the manager is closed) and close the manager."""
+        try:
+            self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:  # a failed save was already raised by wait(); closing must not hide it
+                pass
+
+
+def check_writable(directory: str | Path) -> None:
+    """Create ``directory`` and write a file into it, or raise a ConfigError that says why not."""
+    directory = Path(directory)
+    probe = directory / f".dsv41-write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"checkpoint.dir: cannot write into {directory} ({_reason(err)}); choose another "
+                          "checkpoint.dir") from err
+
+
+def _reason(err: BaseException) -> str:
+    """The innermost cause of ``err`` on one line (it names the file and the OS error)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 400 else f"{text[:200]} ... {text[-200:]}"  # the OS error is at the end
+
+
+def _from_orbax(tb) -> bool:
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _DropOrbaxErrors(logging.Filter):
+    """Orbax logs a failed save or restore with full tracebacks from several threads, and asyncio logs the
+    tasks it left behind; RunCheckpointer reports the failure itself, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        exc = record.exc_info[2] if record.exc_info else None
+        return not ("orbax" in record.pathname or _from_orbax(exc))
+
+
+def _quiet_unraisable(hook):
+    """The tasks of a failed Orbax read finish after their event loop is closed, each printing a traceback
+    ("Event loop is closed", "Exception ignored in <coroutine ...>"): tens of thousands of lines for a few
+    damaged steps. Only those are dropped."""
+
+    def quiet(unraisable) -> None:
+        exc, obj = unraisable.exc_value, unraisable.object
+        code = getattr(obj, "cr_code", None)
+        if (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed") or _from_orbax(
+                unraisable.exc_traceback) or (code is not None and "orbax" in code.co_filename):
+            return
+        hook(unraisable)
+
+    quiet.dsv41 = True
+    return quiet
+
+
+def quiet_orbax_errors() -> None:
+    """Install the filters above once per process (the absl and asyncio loggers, ``sys.unraisablehook``)."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropOrbaxErrors) for f in logger.filters):
+            logger.addFilter(_DropOrbaxErrors())
+    if not getattr(sys.unraisablehook, "dsv41", False):
+        sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 
 def model_from_run(run_dir: str | Path, dtype: str = "float32", log: Callable[[str], None] = print):

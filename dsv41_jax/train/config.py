@@ -23,6 +23,7 @@ from dsv41_jax.optim import OptimConfig
 from dsv41_jax.optim import from_dict as optim_from_dict
 from dsv41_jax.posttrain.config import PosttrainConfig
 from dsv41_jax.posttrain.config import from_dict as posttrain_from_dict
+from dsv41_jax.train.guard import ACTIONS, NonFiniteConfig
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 AUTO = -1  # a mesh axis written `auto` takes every device the other axes leave
@@ -91,6 +92,8 @@ class CheckpointConfig:
     dir: str = "runs/pretrain_tiny"
     every: int = 50  # steps between saves (0: only the final step)
     keep: int = 3
+    # when every checkpoint in dir is damaged the run refuses to start; true: set them aside, start at step 0
+    start_fresh: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class TrainConfig:
     seed: int = 0
     remat: str = "none"  # none | block | dots: rematerialise each transformer block (dots: keep matmuls)
     posttrain: PosttrainConfig | None = None  # QAT + replay fine-tuning (dsv41_jax.posttrain); None: pre-training
+    nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)  # a NaN/inf loss: stop or skip the batch
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -131,7 +135,7 @@ class TrainConfig:
 
 
 _SECTIONS = {"mesh": MeshConfig, "data": DataConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
-             "distributed": DistributedConfig}
+             "distributed": DistributedConfig, "nonfinite": NonFiniteConfig}
 SOURCES = ("embedded", "text", "jsonl", "parquet", "arrayrecord")
 _SCALARS = {"steps": int, "grad_accum": int, "seed": int, "remat": str}
 
@@ -205,6 +209,9 @@ def validate(cfg: TrainConfig, source: str | None = None) -> None:
         _fail(f"key 'remat' must be none, block or dots, got {cfg.remat!r}", source)
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1 or cfg.logging.every < 1:
         _fail("need checkpoint.every ≥ 0, checkpoint.keep ≥ 1 and logging.every ≥ 1", source)
+    if cfg.nonfinite.action not in ACTIONS or cfg.nonfinite.max_skips < 0:
+        _fail(f"key 'nonfinite.action' must be {' or '.join(ACTIONS)} and 'nonfinite.max_skips' ≥ 0, got "
+              f"{cfg.nonfinite.action!r} and {cfg.nonfinite.max_skips}", source)
     fixed = math.prod(getattr(cfg.mesh, a) for a in ("data", "fsdp") if getattr(cfg.mesh, a) != AUTO)
     if d.batch_size % fixed:
         _fail(f"key 'data.batch_size' ({d.batch_size}) must be divisible by mesh.data × mesh.fsdp ({fixed}): "

@@ -19,8 +19,9 @@ from dsv41_jax.config import ConfigError
 from dsv41_jax.data.corpus import open_documents
 from dsv41_jax.data.pipeline import DataState, packed_dataset
 from dsv41_jax.data.tokenizer import engram_consistent, load_or_train
-from dsv41_jax.train.checkpoint import RunCheckpointer
+from dsv41_jax.train.checkpoint import RunCheckpointer, check_writable
 from dsv41_jax.train.config import TrainConfig
+from dsv41_jax.train.guard import NonFiniteGuard, stopping
 from dsv41_jax.train.preflight import check_fits, device_limit_gb, format_preflight, peak_flops, preflight
 from dsv41_jax.train.report import RunReport
 from dsv41_jax.train.step import batch_sharding, build_mesh, init_state
@@ -64,6 +65,7 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
         raise ConfigError(f"{source}: data.batch_size {cfg.data.batch_size} is not divisible by mesh "
                           f"data×fsdp×expert = {per_batch}")
     run_dir = Path(cfg.checkpoint.dir)
+    check_writable(run_dir)  # before the tokenizer, metrics or a checkpoint are written there
     d = cfg.data
     docs = open_documents(d.source, d.paths, d.max_documents, jsonl_key=d.jsonl_key,
                           parquet_column=d.parquet_column)
@@ -98,7 +100,12 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
 
         state, step_fn, ds, data = setup_posttrain(cfg, model_cfg, mesh, tok_path, token_map, docs, log)
     ck = RunCheckpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
-    resumed = ck.restore_latest(state, log=log)
+    try:
+        ck.check_room(state, log)
+        resumed = ck.restore_latest(state, log=log, start_fresh=cfg.checkpoint.start_fresh)
+    except BaseException:
+        ck.close()
+        raise
     if resumed is not None:
         step, state, data_state = resumed
         data.restore(data_state)
@@ -107,39 +114,51 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
 
 
 def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None = None,
-          log: Callable[[str], None] = print, progress: bool | None = None) -> list[dict]:
+          log: Callable[[str], None] = print, progress: bool | None = None, run: Run | None = None) -> list[dict]:
     """Run to ``cfg.steps`` (or ``stop_after`` more steps); returns the logged metrics.
 
     Metrics go to the jsonl file, TensorBoard and the console (:mod:`dsv41_jax.train.report`); ``progress``
-    (default: when printing to a terminal) redraws a progress line between the logged ones.
+    (default: when printing to a terminal) redraws a progress line between the logged ones. ``run`` is one
+    :func:`setup` already built (tests reuse its compiled step). A non-finite loss (:mod:`.guard`), a failed
+    save or a full disk ends the run with :class:`TrainingStopped` once the last save is finished, naming the
+    last good checkpoint.
     """
-    run = setup(cfg, source, log)
+    run = run or setup(cfg, source, log)
     main = jax.process_index() == 0
     history: list[dict] = []
     start = int(run.state.step)
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.grad_accum
     peak = peak_flops()  # dense bf16 peak of one device, where known (MFU)
-    report = RunReport(cfg.metrics_path, cfg.tensorboard_dir, end, tokens_per_step, main=main, log=log,
-                       progress=progress)
+    try:
+        report = RunReport(cfg.metrics_path, cfg.tensorboard_dir, end, tokens_per_step, main=main, log=log,
+                           progress=progress, resumed=start)
+    except BaseException:
+        run.checkpointer.close()
+        raise
+    guard = NonFiniteGuard(cfg.nonfinite, report.log if main else _quiet)
     tick = time.perf_counter()
-    for step in range(start + 1, end + 1):
-        run.state, metrics = run.step_fn(run.state, run.next_batch())
-        report.dispatched(step, metrics)
-        if step % cfg.logging.every == 0 or step == end:
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            now = time.perf_counter()
-            done = step - (history[-1]["step"] if history else start)
-            m |= {"step": step, "step_s": (now - tick) / done, "tokens_per_s": tokens_per_step * done / (now - tick)}
-            if peak:
-                m["mfu"] = m["tokens_per_s"] * run.flops_per_token / (peak * jax.device_count())
-            tick = now
-            history.append(m)
-            report.record(m, end)
-        if run.checkpointer.should_save(step, step == end):
-            run.checkpointer.save(step, run.state, run.data.state(), dataclasses.asdict(cfg))
-    report.close()
-    run.checkpointer.close()
+    with stopping(run.checkpointer, report):
+        for step in range(start + 1, end + 1):
+            run.state, metrics = run.step_fn(run.state, run.next_batch())
+            report.dispatched(step, metrics)
+            run.checkpointer.poll()
+            if step % cfg.logging.every == 0 or step == end:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                done = step - (history[-1]["step"] if history else start)
+                took = now - tick
+                m |= {"step": step, "step_s": took / done, "tokens_per_s": tokens_per_step * done / took}
+                if peak:
+                    m["mfu"] = m["tokens_per_s"] * run.flops_per_token / (peak * jax.device_count())
+                tick = now
+                history.append(m)
+                report.record(m, end)
+            guard.dispatched(step, metrics)  # after the step's row: a stopping step is in the log
+            if run.checkpointer.should_save(step, step == end):
+                guard.settle()  # a non-finite step before this one stops the run before anything is saved
+                run.checkpointer.save(step, run.state, run.data.state(), dataclasses.asdict(cfg))
+        guard.settle()
     return history
 
 

@@ -10,7 +10,9 @@ are printed.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -161,17 +163,30 @@ def duration(seconds: float) -> str:
 
 
 class RunReport:
-    """The jsonl sink, the TensorBoard writer and the console of one run (process 0 only writes anything)."""
+    """The jsonl sink, the TensorBoard writer and the console of one run (process 0 only writes anything).
+
+    The jsonl holds one timeline: a run resumed at step ``resumed`` first drops the rows after that step (they
+    were logged by the interrupted run and are logged again) and a torn last line (a full disk, a kill while
+    writing). Each row is written whole or not at all: a failed write is cut back off the file and stops the
+    run (:class:`~dsv41_jax.train.guard.TrainingStopped`)."""
 
     def __init__(self, jsonl: Path, tensorboard: Path | None, total: int, tokens_per_step: int, *, main: bool = True,
-                 log: Callable[[str], None] = print, progress: bool | None = None):
+                 log: Callable[[str], None] = print, progress: bool | None = None, resumed: int = 0):
         self.main = main
         self.sink = None
         self.writer = self.progress = None
+        self.log = log
         if not main:
             return
-        jsonl.parent.mkdir(parents=True, exist_ok=True)
-        self.sink = jsonl.open("a")
+        self.path, self.tensorboard = jsonl, tensorboard
+        try:
+            jsonl.parent.mkdir(parents=True, exist_ok=True)
+            dropped = truncate_metrics(jsonl, resumed)
+            self.sink = jsonl.open("ab")
+        except OSError as err:
+            raise _stopped(jsonl, err) from err
+        if dropped:
+            log(f"{jsonl}: dropped {dropped} row(s) after step {resumed}, where this run resumes")
         if tensorboard is not None:
             self.writer = tensorboard_writer(tensorboard, log)
         if progress is None:
@@ -189,16 +204,61 @@ class RunReport:
             return
         if self.progress is not None:
             self.progress.synced(m["step"], m["loss"])
-        self.sink.write(json.dumps(m) + "\n")
-        self.sink.flush()
+        self._write((json.dumps(m) + "\n").encode())
         if self.writer is not None:
-            self.writer.scalars(m["step"], {k: v for k, v in m.items() if k != "step"})
+            try:
+                self.writer.scalars(m["step"], {k: v for k, v in m.items() if k != "step"})
+            except OSError as err:
+                raise _stopped(self.tensorboard, err) from err
         self.log(format_line(m, end))
 
+    def _write(self, line: bytes) -> None:
+        end = self.sink.tell()
+        try:
+            self.sink.write(line)
+            self.sink.flush()
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, end)  # no torn row for the next run to merge with
+            raise _stopped(self.path, err) from err
+
     def close(self) -> None:
-        for part in (self.progress, self.writer, self.sink):
+        parts, self.progress, self.writer, self.sink = (self.progress, self.writer, self.sink), None, None, None
+        for part in parts:
             if part is not None:
-                part.close()
+                with contextlib.suppress(OSError):
+                    part.close()
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep the rows of ``path`` up to step ``last_step``, whole lines only; returns how many were dropped."""
+    if not path.exists():
+        return 0
+    keep: list[tuple[int, bytes]] = []
+    lines = path.read_bytes().splitlines(keepends=True)
+    for line in lines:
+        try:
+            row = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            row = None
+        if not (isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= last_step):
+            continue
+        while keep and keep[-1][0] >= row["step"]:  # a later resume logged this step again: it wins
+            keep.pop()
+        keep.append((row["step"], line))
+    dropped = len(lines) - len(keep)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(b"".join(line for _, line in keep))
+        os.replace(tmp, path)
+    return dropped
+
+
+def _stopped(path: Path, err: OSError):
+    from dsv41_jax.train.guard import TrainingStopped
+
+    return TrainingStopped(f"cannot write the metrics to {path} ({err.strerror or err}): free space or fix the "
+                           "directory")
 
 
 def format_line(m: dict[str, float], end: int) -> str:

@@ -11,7 +11,9 @@ forward and its loss terms. For a batch whose leaves are [A, b, ...] (A micro-ba
   spec model §5.3, §9.1), each layer's load counted over the rows its objective marks live
   (:attr:`LossAux.live`). The batches mark no image tokens, so only the text biases move;
 * reports each loss term, ``loss`` (their weighted sum), ``grad_norm``, ``lr``, ``tokens`` (the count
-  ``tokens``: the main cross-entropy's denominator), ``imbalance``, and the objective's own metrics.
+  ``tokens``: the main cross-entropy's denominator), ``imbalance``, and the objective's own metrics;
+* applies nothing when ``loss`` or ``grad_norm`` is not finite (:func:`keep_if_not_finite`): the state keeps its
+  values, its step counter advances, and the metric ``skipped`` is 1.0.
 
 Pre-training's objective (:func:`pretrain_objective`): token-mean cross-entropy over positions whose next
 token is in the same document (the last token of every document and padding have no target), plus the V3-style
@@ -131,9 +133,21 @@ def make_step(graphdef, rest, ocfg: OptimConfig, tx: optax.GradientTransformatio
         metrics = values | {"loss": sum(t.weight * values[name] for name, t in terms.items()),
                             "grad_norm": optax.tree.norm(grads), "lr": lr_at(state.step, ocfg),
                             "tokens": counts["tokens"], "imbalance": imbalance(experts, live, n_experts)}
-        return TrainState(state.step + 1, params, biases, opt_state), metrics | objective.metrics(values, sums)
+        new, skipped = keep_if_not_finite(TrainState(state.step + 1, params, biases, opt_state), state,
+                                          metrics["loss"], metrics["grad_norm"])
+        return new, metrics | objective.metrics(values, sums) | {"skipped": skipped}
 
     return step
+
+
+def keep_if_not_finite(new: TrainState, old: TrainState, loss: Array, grad_norm: Array):
+    """``new``, or ``old`` with only its step counter advanced when ``loss`` or ``grad_norm`` is not finite; and
+    1.0 where the update was dropped (else 0.0). A non-finite gradient never reaches the parameters, the
+    optimizer state or the router biases, so the state a run holds (and may save) stays finite; the loop
+    decides whether to stop or go on (:mod:`dsv41_jax.train.guard`). The select fuses into the update."""
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new._replace(step=old.step), old)
+    return kept._replace(step=new.step), 1.0 - ok.astype(jnp.float32)
 
 
 def bias_update(biases, experts: list[Array], live: list[Bool[Array, "N S"]], speed: float):

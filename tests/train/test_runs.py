@@ -180,7 +180,14 @@ def test_two_process_run(tmp_path, cache, cli_run, run_cfg, forward):
 
 def _damage_truncate(step_dir: Path) -> str:
     biggest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    os.truncate(biggest, biggest.stat().st_size // 2)
+    size = biggest.stat().st_size
+    os.truncate(biggest, size // 2)
+    return f"{biggest.relative_to(step_dir)} has {size // 2} bytes, {size} were written"  # checksums.json
+
+
+def _damage_truncate_unverified(step_dir: Path) -> str:
+    (step_dir / "checksums.json").unlink()  # as a step saved before checksums existed
+    _damage_truncate(step_dir)
     return "does not restore"
 
 
@@ -197,7 +204,7 @@ def fresh_state(run_cfg):
     return init_state(model_cfg, cfg.optim, build_mesh((1, 1, 1, 1)), cfg.seed)[0]
 
 
-@pytest.mark.parametrize("damage", [_damage_truncate, _damage_metadata])
+@pytest.mark.parametrize("damage", [_damage_truncate, _damage_truncate_unverified, _damage_metadata])
 def test_damaged_latest_checkpoint_falls_back(cli_run, fresh_state, tmp_path, damage):
     run_dir = tmp_path / "run"
     shutil.copytree(cli_run, run_dir)

@@ -32,9 +32,10 @@ from dsv41_jax.model.indexer_loss import IndexerStats, indexer_stats
 from dsv41_jax.model.kv_store import KVStore, Visibility
 from dsv41_jax.model.layers import Linear, RMSNorm
 from dsv41_jax.model.rope import apply_rope, rope_frequencies
-from dsv41_jax.model.sparse import entry_mass, sparse_attention
+from dsv41_jax.model.sparse import entry_mass
 from dsv41_jax.sharding import batch_local, param
 from dsv41_jax.topology import LayerSpec
+from pallas_kernels.sparse_attention import api as sparse_api
 
 
 class Shared(NamedTuple):
@@ -185,9 +186,10 @@ class Attention(nnx.Module):
         if spec.compressed:
             topk = shared.topk
             compressed_kv, picked = shared.kv.attended_entries(spec, topk, q.dtype)
-        out = sparse_attention(q, window_kv, self.attn_sink[...], self.cfg.window_size, compressed_kv, topk,
-                               vis.floor, start=vis.start, prefix_kv=prefix_kv, prefix_pos=prefix_pos,
-                               picked=picked, key_floor=vis.key_floor, return_mass=with_mass)
+        out = sparse_api.sparse_attention(
+            q, window_kv, self.attn_sink[...], self.cfg.window_size, compressed_kv, topk, vis.floor, start=vis.start,
+            prefix_kv=prefix_kv, prefix_pos=prefix_pos, picked=picked, key_floor=vis.key_floor,
+            return_mass=with_mass, backend=self.cfg.kernel_backend)
         return out if with_mass else (out, None)
 
     def _indexer_stats(self, target: str, q, window_kv, shared: Shared, vis: Visibility, scores, topk_mass

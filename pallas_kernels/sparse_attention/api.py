@@ -1,0 +1,118 @@
+"""sparse_attention: the model's attention core (spec attention §3.6) on the backend ``attention.kernel_backend``
+names; :class:`~dsv41_jax.model.attention.Attention` calls it, once.
+
+``backend="xla"`` is the reference, :func:`dsv41_jax.model.sparse.sparse_attention`. ``backend="pallas"`` on a
+GPU rewrites the arguments into one key array and a row list per query (``layout.key_rows``) and runs the
+Mosaic GPU kernel (``mosaic.sparse_mqa``) forward; its gradient (:func:`sparse_mqa`'s VJP) is computed in XLA
+from the kernel's log-sum-exp, without a second softmax pass: dQ, dKV summed into the key rows in fp32 (an
+entry is read by many queries), and the sink's gradient. Where the kernel does not apply it falls back to the
+reference: the indexer's probability mass (``return_mass``), head dims the kernel does not take (a multiple
+of 64 up to 512), fp32 activations, calls too small to fill the GPU (``MIN_CTAS``), and platforms other than
+the GPU (a Mosaic TPU version is not written yet).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from dsv41_jax.model import sparse as xla
+from pallas_kernels.sparse_attention import layout, mosaic
+
+BACKENDS = ("xla", "pallas")
+
+
+def sparse_attention(
+    q: Float[Array, "B S N H"],
+    window_kv: Float[Array, "B S H"],
+    sink: Float[Array, "N"],
+    window: int,
+    compressed_kv: Float[Array, "B T H"] | None = None,
+    topk: Int[Array, "B S K"] | None = None,
+    replay_start: int | Int[Array, "B"] = 0,
+    *,
+    start: Int[Array, "B"] | None = None,
+    prefix_kv: Float[Array, "B P H"] | None = None,
+    prefix_pos: Int[Array, "B P"] | None = None,
+    picked: Float[Array, "B S K H"] | None = None,
+    key_floor: Int[Array, "B S"] | None = None,
+    return_mass: bool = False,
+    backend: str = "xla",
+):
+    """:func:`dsv41_jax.model.sparse.sparse_attention` (same arguments and result) on ``backend``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"sparse_attention: backend must be one of {BACKENDS}, got {backend!r}")
+    kw = dict(start=start, prefix_kv=prefix_kv, prefix_pos=prefix_pos, picked=picked, key_floor=key_floor)
+    if backend == "xla" or return_mass or not kernel_applies(q):
+        return xla.sparse_attention(q, window_kv, sink, window, compressed_kv, topk, replay_start,
+                                    return_mass=return_mass, **kw)
+    if key_floor is not None and prefix_kv is not None:
+        raise ValueError("sparse_attention: key_floor (document starts of a training row) cannot be combined "
+                         "with prefix_kv (a cache prefix)")
+    main, extra, idx = layout.key_rows(window_kv, window, compressed_kv, topk, replay_start, dtype=q.dtype, **kw)
+    return sparse_mqa(q, main, extra, idx, sink, q.shape[-1] ** -0.5)
+
+
+# The kernel runs a CTA per query and group of 64 heads: below this many the GPU is mostly idle, and on the
+# H200 the XLA path was faster (decode at batch 1 and 32: 47 / 59 µs against 19 / 49 µs; at batch 128 the
+# kernel was 95 µs against 157 µs; BENCHMARKS.md). Split-key decode is what would lift this floor.
+MIN_CTAS = 64
+
+
+def kernel_applies(q: jax.Array) -> bool:
+    """Whether the Mosaic GPU kernel takes this query (platform, dtype, head dim) and is the faster path
+    (at least ``MIN_CTAS`` CTAs of work)."""
+    b, s, n, h = q.shape
+    return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+            and h % mosaic.TILE[1] == 0 and h <= 2 * mosaic.MAX_CHUNK
+            and b * s * -(-n // mosaic.HEADS) >= MIN_CTAS)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def sparse_mqa(q: Float[Array, "B S N H"], main: Float[Array, "B T H"], extra: Float[Array, "B E H"],
+               idx: Int[Array, "B S L"], sink: Float[Array, "N"], scale: float, interpret: bool = False
+               ) -> Float[Array, "B S N H"]:
+    """The kernel's output (``reference.sparse_mqa`` without the log-sum-exp), differentiable."""
+    return mosaic.sparse_mqa(q, main, extra, idx, sink, scale, interpret=interpret)[0]
+
+
+def _fwd(q, main, extra, idx, sink, scale, interpret):
+    out, lse = mosaic.sparse_mqa(q, main, extra, idx, sink, scale, interpret=interpret)
+    return out, (q, main, extra, idx, sink, lse)
+
+
+def _bwd(scale, interpret, res, g):
+    """Flash-attention backward over the row lists, from the forward's log-sum-exp (spec §3.6's softmax with
+    the sink: p_sink = exp(sink − lse), and its value is zero, so d sink = −Σ p_sink · Σ_l p_l dp_l)."""
+    del interpret
+    q, main, extra, idx, sink, lse = res
+    dt = q.dtype
+    t = main.shape[1]
+    keys = xla.gather_entries(jnp.concatenate([main, extra], axis=1).astype(dt), jnp.maximum(idx, 0))
+    logits = jnp.einsum("bsnh,bslh->bsnl", q, keys, preferred_element_type=jnp.float32) * scale
+    p = jnp.where((idx >= 0)[:, :, None, :], jnp.exp(logits - lse[..., None]), 0.0)  # [B, S, N, L] fp32
+    g = g.astype(dt)
+    dp = jnp.einsum("bsnh,bslh->bsnl", g, keys, preferred_element_type=jnp.float32)
+    # Σ_l p_l dp_l from the probabilities themselves, not dO·O: O was rounded to the activation dtype, and
+    # dp − delta cancels where one key dominates; ds stays fp32 into both products, as autodiff of the
+    # reference does
+    delta = (p * dp).sum(-1)  # [B, S, N]
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("bsnl,bslh->bsnh", ds, keys, preferred_element_type=jnp.float32)
+    dkeys = (jnp.einsum("bsnl,bsnh->bslh", ds, q, preferred_element_type=jnp.float32)
+             + jnp.einsum("bsnl,bsnh->bslh", p.astype(dt), g, preferred_element_type=jnp.float32))
+
+    def rows_of(kv, rows):  # fp32 sums into the rows of one key array; other rows are dropped (past the end)
+        return jax.vmap(lambda i, d: jnp.zeros(kv.shape[1:], jnp.float32).at[i].add(d, mode="drop"))(
+            jnp.where(rows >= 0, rows, kv.shape[1]), dkeys).astype(kv.dtype)
+
+    dmain = rows_of(main, jnp.where(idx < t, idx, -1))
+    dextra = rows_of(extra, jnp.where(idx >= t, idx - t, -1))
+    dsink = -(jnp.exp(sink.astype(jnp.float32) - lse) * delta).sum((0, 1))
+    return dq.astype(dt), dmain, dextra, None, dsink.astype(sink.dtype)
+
+
+sparse_mqa.defvjp(_fwd, _bwd)

@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from dsv41_jax import cli_args as A
 from dsv41_jax import config as C
 from dsv41_jax.checkpoint.plan import ConvertError
 
@@ -36,13 +37,6 @@ def _precision(text: str) -> str:
     if text not in _PRECISIONS:
         raise argparse.ArgumentTypeError(f"{text!r}: expected one of fp32, bf16 (or float32, bfloat16)")
     return _PRECISIONS[text]
-
-
-def _token_ids(text: str) -> list[int]:
-    """``--ids 0,17,42`` (the library is imported only when the flag is used)."""
-    from dsv41_jax.sample import parse_ids
-
-    return parse_ids(text)
 
 
 def _cmd_topology(args) -> int:
@@ -99,7 +93,7 @@ def _cmd_make_fake_hf(args) -> int:
     from dsv41_jax.checkpoint.fake_hf import write_fake_hf
 
     cfg = write_fake_hf(resolve_config(args.config), args.out, seed=args.seed,
-                        shard_bytes=int(args.shard_mb * (1 << 20)))
+                        shard_bytes=int(args.shard_mb * (1 << 20)), overwrite=args.overwrite)
     print(f"wrote a random {cfg.n_layers}-layer release-format checkpoint to {args.out}")
     return 0
 
@@ -146,8 +140,7 @@ def _cmd_eval_served(args) -> int:
     """The exact-vs-served gap of a run's latest checkpoint on held-out prompt/response pairs."""
     from dsv41_jax.posttrain.evaluate import eval_run
 
-    boundaries = [None if b == "cold" else int(b) for b in args.boundaries.split(",")]
-    eval_run(args.run, args.data, boundaries, ablations=args.ablations, batch_size=args.batch_size,
+    eval_run(args.run, args.data, args.boundaries, ablations=args.ablations, batch_size=args.batch_size,
              max_len=args.max_len, max_pairs=args.max_pairs, cut=args.cut, out=args.out)
     return 0
 
@@ -190,14 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="fp32", choices=["native", "bf16", "fp32"],
                    help="native: keep FP8/FP4 + E8M0 scales; bf16/fp32: dequantise (default fp32)")
     p.add_argument("--mesh", help="align storage chunks to shards of this mesh, e.g. fsdp=8,expert=4")
-    p.add_argument("--chunk-mb", type=float, default=256, help="output bytes per written band (memory bound)")
+    p.add_argument("--chunk-mb", type=A.above(0), default=256, help="output bytes per written band (memory bound)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(fn=_cmd_convert)
     p = sub.add_parser("make-fake-hf", help="write a random checkpoint of a config in the exact release format")
     p.add_argument("--config", required=True, help="preset name, YAML file or HF directory")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shard-mb", type=float, default=64, help="target shard size")
+    p.add_argument("--out", required=True, help="a new or empty directory")
+    p.add_argument("--overwrite", action="store_true", help="replace the checkpoint files of a non-empty --out")
+    p.add_argument("--seed", type=A.at_least(0), default=0)
+    p.add_argument("--shard-mb", type=A.above(0), default=64, help="target shard size")
     p.set_defaults(fn=_cmd_make_fake_hf)
     p = sub.add_parser("ledger", help="KV-cache bytes per token and per sequence of a config")
     p.add_argument("--config", default="v41_flash")
@@ -207,16 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint_source(p, run=True)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", action="append", help="text prompt (repeat for a batch)")
-    group.add_argument("--ids", action="append", type=_token_ids,
+    group.add_argument("--ids", action="append", type=A.token_ids,
                        help="comma-separated token ids (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--max-seq-len", type=int, default=4096)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=A.at_least(1), default=32)
+    p.add_argument("--max-seq-len", type=A.at_least(2), default=4096, help="cache length: prompt + new tokens")
+    p.add_argument("--temperature", type=A.at_least(0.0, float), default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=A.at_least(0), default=0, help="0: no top-k cut")
+    p.add_argument("--top-p", type=A.probability, default=1.0, help="in (0, 1]; 1: no nucleus cut")
+    p.add_argument("--seed", type=A.at_least(0), default=0)
     p.add_argument("--prefill-mode", default="exact", choices=["exact", "ced"])
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=A.at_least(1), default=512)
     p.add_argument("--dtype", "--precision", dest="dtype", default="bfloat16", type=_precision,
                    help="activation precision: bf16 or fp32")
     p.add_argument("--show-ids", action="store_true", help="also print each row's generated token ids")
@@ -224,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="pre-train from a YAML run config (model, optim, mesh, data, checkpoint)")
     p.add_argument("--config", required=True, help="run config, e.g. configs/pretrain_tiny.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=1.0e-3")
-    p.add_argument("--stop-after", type=int, help="stop after this many steps of this invocation (resumable)")
+    p.add_argument("--stop-after", type=A.at_least(1), help="stop after this many steps of this invocation (resumable)")
     p.add_argument("--preflight", action="store_true", help="print the mesh, per-device memory and model FLOPs "
                    "from shapes alone, then exit (nothing is allocated)")
     p.add_argument("--aot", action="store_true", help="also lower and compile the sharded train step from shapes "
@@ -232,20 +226,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compile", action="store_true", help="with --aot: lower only (time it; no memory analysis)")
     p.add_argument("--collectives", action="store_true", help="compile the sharded step from shapes alone and print "
                    "its collectives (kind, types, bytes, group, where traced), then exit")
-    p.add_argument("--devices", type=int, help="with --preflight / --aot / --collectives: plan for this many devices "
-                   "(default: those present; for --aot / --collectives a count given here is made of fake CPU "
-                   "devices)")
+    p.add_argument("--devices", type=A.at_least(1), help="with --preflight / --aot / --collectives: plan for this "
+                   "many devices (default: those present; for --aot / --collectives a count given here is made of "
+                   "fake CPU devices)")
     p.set_defaults(fn=_cmd_train)
     p = sub.add_parser("eval-served", help="gap between the exact forward and the served path (FP4 cache, CED, "
                        "bounded replay) on held-out prompt/response jsonl")
     p.add_argument("--run", required=True, help="a `dsv41 train` run directory (its latest checkpoint)")
     p.add_argument("--data", required=True, action="append", help="jsonl of prompt/response pairs (repeatable)")
-    p.add_argument("--boundaries", default="cold", help="cache-hit positions, comma-separated; cold = no hit")
+    p.add_argument("--boundaries", type=A.boundaries, default="cold",
+                   help="cache-hit positions, comma-separated; cold = no hit")
     p.add_argument("--ablations", action="store_true", help="also each approximation alone (simulated path)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=256, help="tokens per conversation (longer ones are cut)")
-    p.add_argument("--max-pairs", type=int, default=256)
-    p.add_argument("--cut", type=int, help="CED cut layer (default: the engines' cut, candidate source + 1)")
+    p.add_argument("--batch-size", type=A.at_least(1), default=8)
+    p.add_argument("--max-len", type=A.at_least(2), default=256, help="tokens per conversation (longer ones are cut)")
+    p.add_argument("--max-pairs", type=A.at_least(1), default=256)
+    p.add_argument("--cut", type=A.at_least(0), help="CED cut layer (default: the engines' cut, candidate source + 1)")
     p.add_argument("--out", help="append one JSON line per table row here")
     p.set_defaults(fn=_cmd_eval_served)
     return parser

@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from tokenizers import Tokenizer
 
 from dsv41_jax.checkpoint.load import load_model
-from dsv41_jax.engine.sampling import Generator, SamplingConfig
+from dsv41_jax.config import ConfigError
+from dsv41_jax.engine.sampling import Generator, SamplingConfig, validate_prompts
 from dsv41_jax.engram_device import device_engram
 
 
@@ -23,8 +24,10 @@ def _print(line: str) -> None:
 
 
 def parse_ids(text: str) -> list[int]:
-    """One ``--ids`` argument: ``"0,17,42"`` -> ``[0, 17, 42]``."""
-    return [int(t) for t in text.split(",")]
+    """One ``--ids`` argument: ``"0,17,42"`` -> ``[0, 17, 42]`` (argparse's one-line error otherwise)."""
+    from dsv41_jax.cli_args import token_ids
+
+    return token_ids(text)
 
 
 def encode_prompts(tok: Tokenizer, bos_token_id: int, texts: Sequence[str]) -> list[list[int]]:
@@ -49,10 +52,14 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
     cfg = loaded.model.cfg
     tok = Tokenizer.from_file(str(loaded.tokenizer))
     batch = [list(p) for p in ids] if ids else encode_prompts(tok, cfg.bos_token_id, prompts or [])
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-                              stop_tokens=(cfg.eos_token_id,), prefill_mode=prefill_mode,
-                              prefill_chunk=prefill_chunk)
-    gen = Generator(loaded.model, device_engram(loaded.hasher), len(batch), max_seq_len, sampling)
+    try:  # before anything compiles: a prompt that cannot be generated from is the user's one-line error
+        validate_prompts(batch, len(batch), cfg.vocab_size, max_seq_len)
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                                  stop_tokens=(cfg.eos_token_id,), prefill_mode=prefill_mode,
+                                  prefill_chunk=prefill_chunk)
+        gen = Generator(loaded.model, device_engram(loaded.hasher), len(batch), max_seq_len, sampling)
+    except ValueError as err:
+        raise ConfigError(f"{'--ids' if ids else '--prompt'}: {err}") from None
 
     def show(block):  # [B, block] new ids; -1 once a row has stopped
         for i, row in enumerate(block):

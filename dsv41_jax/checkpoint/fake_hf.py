@@ -112,13 +112,16 @@ def _assign_shards(groups, shard_bytes: int) -> list[list[int]]:
 
 
 def write_fake_hf(cfg: C.ModelConfig, out: str | Path, *, seed: int = 0,
-                  params: Mapping[str, np.ndarray] | None = None, shard_bytes: int = 64 << 20) -> C.ModelConfig:
+                  params: Mapping[str, np.ndarray] | None = None, shard_bytes: int = 64 << 20,
+                  overwrite: bool = False) -> C.ModelConfig:
     """Write the checkpoint of ``cfg`` into ``out``; returns the config written (compressed vocab adjusted).
 
-    Memory: one shard's tensors at a time (plus the float values of the group being encoded).
+    ``out`` must be new or empty (a ConfigError otherwise: random weights would replace a real checkpoint);
+    with ``overwrite`` the checkpoint files already there (shards, index, config, tokenizer) are deleted first
+    and other files are left alone. Memory: one shard's tensors at a time (plus the group being encoded).
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _prepare_out(out, overwrite)
     cfg = write_tokenizer(cfg, out)
     groups = _groups(cfg)
     shards = _assign_shards(groups, shard_bytes)
@@ -142,6 +145,26 @@ def write_fake_hf(cfg: C.ModelConfig, out: str | Path, *, seed: int = 0,
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(C.to_hf_json(cfg))
     return cfg
+
+
+_WRITTEN = ("model-*-of-*.safetensors", INDEX, "config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise C.ConfigError(f"--out {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            what = "holds a checkpoint" if (out / "config.json").exists() else "exists and is not empty"
+            raise C.ConfigError(f"--out {out} {what}; random weights would replace it. Choose a new directory, or "
+                                "pass --overwrite to replace its checkpoint files")
+        for pattern in _WRITTEN:
+            for path in out.glob(pattern):
+                path.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise C.ConfigError(f"--out {out}: cannot create it ({err.strerror or err})") from err
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -131,7 +131,7 @@ class Generator:
         Prompts are right-aligned on the chunk grid, so every sequence ends in the final chunk: CED runs the
         layers after its cut only there, on each sequence's last ``window`` tokens.
         """
-        _validate_prompts(prompts, self.batch, self.cfg.vocab_size, self.max_seq_len)
+        validate_prompts(prompts, self.batch, self.cfg.vocab_size, self.max_seq_len)
         lengths = np.array([len(p) for p in prompts])
         chunk = self.sampling.prefill_chunk
         n_chunks = -(-int(lengths.max()) // chunk)
@@ -180,7 +180,8 @@ def _advance_history(tables: DeviceEngram, history: Array, n_seen: Array, tokens
     return jnp.take_along_axis(ext, idx, axis=1), n_seen + n_new
 
 
-def _validate_prompts(prompts, batch: int, vocab: int, max_seq_len: int) -> None:
+def validate_prompts(prompts, batch: int, vocab: int, max_seq_len: int) -> None:
+    """A ValueError naming the first prompt that cannot be generated from (empty, too long, ids out of range)."""
     if len(prompts) != batch:
         raise ValueError(f"got {len(prompts)} prompts for a generator of batch {batch}")
     for i, p in enumerate(prompts):

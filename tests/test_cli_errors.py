@@ -1,0 +1,74 @@
+"""Bad input to the ``dsv41`` command is one line and exit code 2, before any model is built: option ranges
+(argparse's own format), malformed id lists, prompts that do not fit, and an output that holds a checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsv41_jax.cli import main
+from dsv41_jax.testing import GOLDEN
+
+HF = str(GOLDEN / "tiny_hf")
+
+
+def _error(capsys, argv: list[str], code: int = 2) -> str:
+    try:
+        got = main(argv)
+    except SystemExit as exit_:  # argparse
+        got = exit_.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert got == code and err, (got, err)
+    return err[-1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sample", "--hf-dir", HF, "--ids", "0,a,2"], "dsv41 sample: error: argument --ids: '0,a,2': expected "
+     "comma-separated non-negative token ids like 0,17,42 ('a' is not one)"),
+    (["sample", "--hf-dir", HF, "--ids", "0,,2"], "argument --ids: '0,,2': expected comma-separated"),
+    (["sample", "--hf-dir", HF, "--ids", "1", "--top-p", "1.5"], "argument --top-p: 1.5: must be in (0, 1]"),
+    (["sample", "--hf-dir", HF, "--ids", "1", "--top-p", "0"], "argument --top-p: 0: must be in (0, 1]"),
+    (["sample", "--hf-dir", HF, "--ids", "1", "--temperature", "-0.5"], "argument --temperature: -0.5: must be ≥ 0"),
+    (["sample", "--hf-dir", HF, "--ids", "1", "--temperature", "nan"], "'nan': must be a finite number"),
+    (["sample", "--hf-dir", HF, "--ids", "1", "--max-new-tokens", "0"], "argument --max-new-tokens: 0: must be ≥ 1"),
+    (["sample", "--hf-dir", HF, "--ids", "1", "--top-k", "-1"], "argument --top-k: -1: must be ≥ 0"),
+    (["sample", "--hf-dir", HF, "--ids", "1", "--prefill-chunk", "x"], "argument --prefill-chunk: 'x': not an integer"),
+    (["sample", "--hf-dir", HF, "--ids", "1", "--max-seq-len", "1"], "argument --max-seq-len: 1: must be ≥ 2"),
+    (["make-fake-hf", "--config", "tiny", "--out", "x", "--shard-mb", "0"], "argument --shard-mb: 0: must be > 0"),
+    (["make-fake-hf", "--config", "tiny", "--out", "x", "--seed", "-1"], "argument --seed: -1: must be ≥ 0"),
+    (["convert", "--hf-dir", HF, "--out", "x", "--chunk-mb", "-4"], "argument --chunk-mb: -4: must be > 0"),
+    (["train", "--config", "x.yaml", "--stop-after", "0"], "argument --stop-after: 0: must be ≥ 1"),
+    (["train", "--config", "x.yaml", "--preflight", "--devices", "0"], "argument --devices: 0: must be ≥ 1"),
+    (["eval-served", "--run", "r", "--data", "d", "--boundaries", "cold,-3"], "argument --boundaries: 'cold,-3': "
+     "expected 'cold' or positive positions, comma-separated ('-3' is neither)"),
+    (["eval-served", "--run", "r", "--data", "d", "--batch-size", "0"], "argument --batch-size: 0: must be ≥ 1"),
+])
+def test_option_ranges(capsys, argv, message):
+    assert message in _error(capsys, argv)
+
+
+@pytest.mark.parametrize("ids, message", [
+    (",".join(["5"] * 40), "error: --ids: prompt 0 has 40 tokens; max_seq_len is 16 (room to generate needed)"),
+    ("0,17,99999", "error: --ids: prompt 0 has token ids outside [0, 512): [99999]"),
+])
+def test_prompts_that_cannot_be_generated_from(capsys, ids, message):
+    assert _error(capsys, ["sample", "--hf-dir", HF, "--ids", ids, "--max-seq-len", "16", "--dtype", "fp32"]) \
+        == message
+
+
+def test_make_fake_hf_refuses_to_replace_a_checkpoint(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"mine": True}))
+    (out / "notes.txt").write_text("kept")
+    assert _error(capsys, ["make-fake-hf", "--config", "tiny", "--out", str(out)]) == (
+        f"error: --out {out} holds a checkpoint; random weights would replace it. Choose a new directory, or pass "
+        "--overwrite to replace its checkpoint files")
+    assert json.loads((out / "config.json").read_text()) == {"mine": True}
+    (out / "model-00009-of-00009.safetensors").write_bytes(b"stale shard")
+    assert main(["make-fake-hf", "--config", "tiny", "--out", str(out), "--overwrite", "--shard-mb", "64"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.json", *(f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)),
+                     "model.safetensors.index.json", "notes.txt", "tokenizer.json", "tokenizer_config.json"], names
+    assert "text_config" in json.loads((out / "config.json").read_text())

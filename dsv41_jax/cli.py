@@ -15,6 +15,15 @@ from dsv41_jax import config as C
 from dsv41_jax.checkpoint.plan import ConvertError
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dsv41-jax")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def resolve_config(spec: str) -> C.ModelConfig:
     path = Path(spec)
     if spec in C.PRESETS:
@@ -79,12 +88,28 @@ def _cmd_score(args) -> int:
     return 0
 
 
+_WEIGHTS = {"native": "FP8 / FP4 weights and E8M0 scales kept as stored, the release's 510 GB",
+            "bf16": "dequantised to bfloat16, about 1.5 TB for the release",
+            "fp32": "dequantised to float32, about 3 TB for the release"}
+
+
 def _cmd_convert(args) -> int:
     """HF release directory -> Orbax checkpoint (validated, streamed, resumable)."""
     from dsv41_jax.checkpoint.convert import convert, parse_mesh
 
+    if not args.quiet:
+        print(f"convert: --weights {args.weights} ({_WEIGHTS[args.weights]})", file=sys.stderr)
     convert(args.hf_dir, args.out, weights=args.weights, mesh=parse_mesh(args.mesh),
             chunk_bytes=int(args.chunk_mb * (1 << 20)), progress=not args.quiet)
+    return 0
+
+
+def _cmd_export(args) -> int:
+    """Orbax checkpoint or training run -> the release's Hugging Face format (the inverse of convert)."""
+    from dsv41_jax.checkpoint.export import export
+
+    export(args.out, ckpt=args.ckpt, run=args.run, base=args.base, chunk_bytes=int(args.chunk_mb * (1 << 20)),
+           shard_bytes=int(args.shard_gb * (1 << 30)), progress=not args.quiet)
     return 0
 
 
@@ -157,6 +182,7 @@ def _add_checkpoint_source(p: argparse.ArgumentParser, run: bool = False) -> Non
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in JAX")
+    parser.add_argument("--version", action="version", version=f"dsv41-jax {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("topology", help="print the per-layer CSA2 topology of a config")
     p.add_argument("--config", default="v41_flash")
@@ -180,12 +206,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a release-format HF checkpoint into an Orbax checkpoint")
     p.add_argument("--hf-dir", required=True, help="directory with config.json, index, shards, tokenizer.json")
     p.add_argument("--out", required=True, help="new output directory (resumes from OUT.partial if present)")
-    p.add_argument("--weights", default="fp32", choices=["native", "bf16", "fp32"],
-                   help="native: keep FP8/FP4 + E8M0 scales; bf16/fp32: dequantise (default fp32)")
+    p.add_argument("--weights", default="native", choices=["native", "bf16", "fp32"],
+                   help="native: keep FP8/FP4 + E8M0 scales (default); bf16/fp32: dequantise")
     p.add_argument("--mesh", help="align storage chunks to shards of this mesh, e.g. fsdp=8,expert=4")
     p.add_argument("--chunk-mb", type=A.above(0), default=256, help="output bytes per written band (memory bound)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(fn=_cmd_convert)
+    p = sub.add_parser("export", help="write an Orbax checkpoint or a training run in the release's Hugging Face "
+                       "format (names, FP8/FP4 dtypes, shards, index, config and tokenizer files)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", "--checkpoint", dest="ckpt", help="an Orbax checkpoint written by `dsv41 convert`")
+    src.add_argument("--run", help="a `dsv41 train` run directory (its newest step)")
+    p.add_argument("--out", required=True, help="new output directory")
+    p.add_argument("--base", help="with --run: a `dsv41 convert` output for the DSpark / vision arrays and the "
+                   "source scales (default: the run's posttrain.init_from when it is one)")
+    p.add_argument("--chunk-mb", type=A.above(0), default=256, help="float values read per band (memory bound)")
+    p.add_argument("--shard-gb", type=A.above(0), default=5, help="shard size when the source has no index to follow")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.set_defaults(fn=_cmd_export)
     p = sub.add_parser("make-fake-hf", help="write a random checkpoint of a config in the exact release format")
     p.add_argument("--config", required=True, help="preset name, YAML file or HF directory")
     p.add_argument("--out", required=True, help="a new or empty directory")

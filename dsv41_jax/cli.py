@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from dsv41_jax import cli_args as A
 from dsv41_jax import config as C
@@ -25,7 +24,9 @@ def _version() -> str:
 
 
 def resolve_config(spec: str) -> C.ModelConfig:
-    path = Path(spec)
+    from dsv41_jax.config.files import config_path
+
+    path = config_path(spec)
     if spec in C.PRESETS:
         return C.get_preset(spec)
     if path.is_dir() or path.name == "config.json":
@@ -254,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-ids", action="store_true", help="also print each row's generated token ids")
     p.set_defaults(fn=_cmd_sample)
     p = sub.add_parser("train", help="pre-train from a YAML run config (model, optim, mesh, data, checkpoint)")
-    p.add_argument("--config", required=True, help="run config, e.g. configs/pretrain_tiny.yaml")
+    p.add_argument("--config", required=True, help="run config: a YAML file, or a shipped one by name "
+                   "(pretrain_tiny, qat_tiny, v41_flash_pretrain; configs/NAME.yaml works from any directory)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=1.0e-3")
     p.add_argument("--stop-after", type=A.at_least(1), help="stop after this many steps of this invocation (resumable)")
     p.add_argument("--preflight", action="store_true", help="print the mesh, per-device memory and model FLOPs "

@@ -1,12 +1,11 @@
-"""Locations of the test data shipped with the repository (golden reference outputs, release configs)."""
+"""Locations of the test data shipped with the repository (golden reference outputs, release configs), and
+helpers of the tests. pytest is imported only by the test marker that needs it (``CPU_EXACT``): the library
+imports this module for ``GOLDEN`` and must run where pytest is not installed."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-
-import jax
-import pytest
 
 _DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 
@@ -15,10 +14,15 @@ GOLDEN = Path(os.environ.get("DSV41_GOLDEN", _DATA / "golden"))
 # the released config.json and inference/config.json, byte for byte
 RELEASE = _DATA / "release"
 
-# tests whose bounds are calibrated on XLA:CPU (bit-level or ~1e-6 agreement between two programs)
-CPU_EXACT = pytest.mark.skipif(jax.default_backend() != "cpu", reason=(
-    "bit-level and ~1e-6 comparisons are calibrated on XLA:CPU; XLA:GPU accumulates in another order and "
-    "flips more QDQ-boundary values, so there the golden robust recipe of tests/test_gpu.py applies"))
+def __getattr__(name: str):
+    if name == "CPU_EXACT":  # tests whose bounds are calibrated on XLA:CPU (bit-level or ~1e-6 agreement)
+        import jax
+        import pytest
+
+        return pytest.mark.skipif(jax.default_backend() != "cpu", reason=(
+            "bit-level and ~1e-6 comparisons are calibrated on XLA:CPU; XLA:GPU accumulates in another order and "
+            "flips more QDQ-boundary values, so there the golden robust recipe of tests/test_gpu.py applies"))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run_on_fake_cpus(script, n_devices: int = 8, timeout: int = 900) -> list[dict]:

@@ -177,9 +177,11 @@ def launch(config: str, overrides: list[str] | tuple[str, ...] = (), *, stop_aft
       (``train.aot.aot_train_step``; more ``devices`` than present are fake CPU devices);
     - otherwise ``jax.distributed`` where configured, then :func:`train` (resuming), returning its metrics.
     """
+    from dsv41_jax.config.files import config_path
     from dsv41_jax.train import distributed
     from dsv41_jax.train.config import MESH_AXES, load
 
+    config = str(config_path(config))  # a shipped config by name, from any directory
     cfg = load(config, list(overrides))
     if preflight_only:  # nothing is allocated, so any mesh size can be checked
         mesh = dict(zip(MESH_AXES, cfg.mesh.shape(devices or jax.device_count(), config), strict=True))

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsv41_jax import config as C
 from dsv41_jax.checkpoint.hf import load_hf_params
+from dsv41_jax.checkpoint.quiet import quiet_orbax_errors, reason
 from dsv41_jax.checkpoint.store import restore_arrays, stored_arrays
 from dsv41_jax.checkpoint.tree import NON_BACKBONE_PREFIXES, assign, flat_variables
 from dsv41_jax.engram_hash import EngramHasher, build_token_map, check_token_map
@@ -118,8 +119,24 @@ def load_model(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike 
 
         model, hasher, tok, step = model_from_run(run, dtype=dtype, log=log)
         return Loaded(model, hasher, Path(tok), step)
-    if ckpt is not None:
-        model, hasher = model_from_orbax(ckpt, dtype=dtype, param_dtype=param_dtype)
-        return Loaded(model, hasher, Path(ckpt) / "tokenizer.json")
-    model, hasher = model_from_hf(hf_dir, dtype=dtype, param_dtype=param_dtype or "float32")
-    return Loaded(model, hasher, Path(hf_dir) / "tokenizer.json")
+    flag, where = ("--ckpt", ckpt) if ckpt is not None else ("--hf-dir", hf_dir)
+    quiet_orbax_errors()
+    if not Path(where).is_dir():
+        raise CheckpointUnreadable(f"{flag} {where}: no such directory")
+    if not (Path(where) / "tokenizer.json").is_file():
+        raise CheckpointUnreadable(f"{flag} {where}: no tokenizer.json (the Engram token map and the prompts' "
+                                   "tokens come from it)")
+    try:
+        if ckpt is not None:
+            model, hasher = model_from_orbax(ckpt, dtype=dtype, param_dtype=param_dtype)
+        else:
+            model, hasher = model_from_hf(hf_dir, dtype=dtype, param_dtype=param_dtype or "float32")
+    except (C.ConfigError, TypeError, AttributeError, NameError, AssertionError):
+        raise  # already one line, or a bug: keep its traceback
+    except Exception as err:  # OSError, JSON, safetensors, tensorstore and Orbax read errors: the files are at fault
+        raise CheckpointUnreadable(f"{flag} {where}: cannot load the checkpoint: {reason(err)}") from err
+    return Loaded(model, hasher, Path(where) / "tokenizer.json")
+
+
+class CheckpointUnreadable(C.ConfigError):
+    """A checkpoint on disk that cannot be read (missing, truncated or corrupt files); the message names it."""

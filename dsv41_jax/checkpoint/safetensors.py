@@ -116,7 +116,24 @@ def _parse_header(path: Path, raw: bytes, data_size: int) -> tuple[dict, dict[st
                 f"{where}: data_offsets span {end - begin} bytes but {dtype}{list(shape)} needs {nbytes}"
             )
         entries[name] = (dtype, shape, begin, end)
+    _check_tiling(path, entries, data_size)
     return metadata, entries
+
+
+def _check_tiling(path: Path, entries: dict[str, tuple], data_size: int) -> None:
+    """The tensors' byte ranges must cover the data buffer exactly, in order, without gaps or overlaps (as the
+    reference reader requires): shifted or overlapping offsets would otherwise read other tensors' bytes."""
+    pos, prev = 0, None
+    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if begin != pos:
+            what = f"overlaps {prev!r}" if begin < pos else f"leaves bytes [{pos}, {begin}) unused after " + (
+                repr(prev) if prev else "the header")
+            raise SafetensorsError(f"{path}: tensor {name!r}: data_offsets {[begin, end]} {what}; the header does "
+                                   "not describe the data (the file is corrupt: re-download it)")
+        pos, prev = end, name
+    if pos != data_size:
+        raise SafetensorsError(f"{path}: the tensors end at byte {pos} of a {data_size}-byte data buffer; the file "
+                               "has trailing bytes no tensor owns (corrupt: re-download it)")
 
 
 class SafetensorsFile:

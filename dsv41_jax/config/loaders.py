@@ -176,7 +176,12 @@ def from_hf(hf: dict | str | Path, **overrides) -> ModelConfig:
         path = Path(hf)
         path = path / "config.json" if path.is_dir() else path
         source = str(path)
-        hf = json.loads(path.read_text())
+        try:
+            hf = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ConfigError(f"{path}: cannot read the config: {getattr(err, 'strerror', None) or err}") from err
+        if not isinstance(hf, dict):
+            fail(f"expected a JSON object of config keys, got {type(hf).__name__}", source)
     text = hf.get("text_config", hf)
     unknown = sorted(set(text) - set(_HF_TEXT) - _HF_TEXT_IGNORED)
     unknown += sorted(set(hf) - _HF_TOP - _HF_TOP_IGNORED) if "text_config" in hf else []

@@ -19,11 +19,9 @@ reported and removed.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import socket
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dsv41_jax.checkpoint import checksums
+from dsv41_jax.checkpoint.quiet import quiet_orbax_errors, reason
 from dsv41_jax.config import ConfigError
 from dsv41_jax.train.guard import TrainingStopped, state_is_finite
 
@@ -130,7 +129,7 @@ class RunCheckpointer:
         self.good = step
 
     def _failed(self, step: int, err: BaseException) -> TrainingStopped:
-        return TrainingStopped(f"saving checkpoint step {step} to {self.dir} failed ({_reason(err)}): free "
+        return TrainingStopped(f"saving checkpoint step {step} to {self.dir} failed ({reason(err)}): free "
                                "space or fix the directory")
 
     def check_room(self, state, log: Callable[[str], None] = print) -> None:
@@ -278,62 +277,8 @@ def check_writable(directory: str | Path) -> None:
         probe.write_bytes(b"0")
         probe.unlink()
     except OSError as err:
-        raise ConfigError(f"checkpoint.dir: cannot write into {directory} ({_reason(err)}); choose another "
+        raise ConfigError(f"checkpoint.dir: cannot write into {directory} ({reason(err)}); choose another "
                           "checkpoint.dir") from err
-
-
-def _reason(err: BaseException) -> str:
-    """The innermost cause of ``err`` on one line (it names the file and the OS error)."""
-    while err.__cause__ is not None:
-        err = err.__cause__
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= 400 else f"{text[:200]} ... {text[-200:]}"  # the OS error is at the end
-
-
-def _from_orbax(tb) -> bool:
-    while tb is not None:
-        if "orbax" in tb.tb_frame.f_code.co_filename:
-            return True
-        tb = tb.tb_next
-    return False
-
-
-class _DropOrbaxErrors(logging.Filter):
-    """Orbax logs a failed save or restore with full tracebacks from several threads, and asyncio logs the
-    tasks it left behind; RunCheckpointer reports the failure itself, in one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        exc = record.exc_info[2] if record.exc_info else None
-        return not ("orbax" in record.pathname or _from_orbax(exc))
-
-
-def _quiet_unraisable(hook):
-    """The tasks of a failed Orbax read finish after their event loop is closed, each printing a traceback
-    ("Event loop is closed", "Exception ignored in <coroutine ...>"): tens of thousands of lines for a few
-    damaged steps. Only those are dropped."""
-
-    def quiet(unraisable) -> None:
-        exc, obj = unraisable.exc_value, unraisable.object
-        code = getattr(obj, "cr_code", None)
-        if (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed") or _from_orbax(
-                unraisable.exc_traceback) or (code is not None and "orbax" in code.co_filename):
-            return
-        hook(unraisable)
-
-    quiet.dsv41 = True
-    return quiet
-
-
-def quiet_orbax_errors() -> None:
-    """Install the filters above once per process (the absl and asyncio loggers, ``sys.unraisablehook``)."""
-    for name in ("absl", "asyncio"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropOrbaxErrors) for f in logger.filters):
-            logger.addFilter(_DropOrbaxErrors())
-    if not getattr(sys.unraisablehook, "dsv41", False):
-        sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 
 def model_from_run(run_dir: str | Path, dtype: str = "float32", log: Callable[[str], None] = print):

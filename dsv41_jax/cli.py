@@ -82,7 +82,8 @@ def _cmd_score(args) -> int:
 
     try:
         score(ckpt=args.ckpt, hf_dir=args.hf_dir, inputs=args.inputs, ids=args.ids, out=args.out,
-              reference=args.reference, dtype=args.dtype, param_dtype=args.param_dtype, as_json=args.json)
+              reference=args.reference, dtype=args.dtype, param_dtype=args.param_dtype, as_json=args.json,
+              mesh=args.mesh)
     except ScoreInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -149,7 +150,7 @@ def _cmd_sample(args) -> int:
     sample(run=args.run, ckpt=args.ckpt, hf_dir=args.hf_dir, prompts=args.prompt, ids=args.ids,
            max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, temperature=args.temperature,
            top_k=args.top_k, top_p=args.top_p, seed=args.seed, prefill_mode=args.prefill_mode,
-           prefill_chunk=args.prefill_chunk, dtype=args.dtype, show_ids=args.show_ids)
+           prefill_chunk=args.prefill_chunk, dtype=args.dtype, show_ids=args.show_ids, mesh=args.mesh)
     return 0
 
 
@@ -181,6 +182,11 @@ def _add_checkpoint_source(p: argparse.ArgumentParser, run: bool = False) -> Non
                      "tokenizer.json)")
 
 
+def _add_mesh(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", help="serve on many devices: auto, or AXIS=SIZE,... over data, fsdp, expert, tensor "
+                   "(e.g. expert=8); a --ckpt is restored straight into its shards")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in JAX")
     parser.add_argument("--version", action="version", version=f"dsv41-jax {_version()}")
@@ -203,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", "--precision", dest="dtype", default="float32", type=_precision,
                    help="activation precision: fp32 (the exact reference semantics) or bf16")
     p.add_argument("--json", action="store_true")
+    _add_mesh(p)
     p.set_defaults(fn=_cmd_score)
     p = sub.add_parser("convert", help="convert a release-format HF checkpoint into an Orbax checkpoint")
     p.add_argument("--hf-dir", required=True, help="directory with config.json, index, shards, tokenizer.json")
@@ -253,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", "--precision", dest="dtype", default="bfloat16", type=_precision,
                    help="activation precision: bf16 or fp32")
     p.add_argument("--show-ids", action="store_true", help="also print each row's generated token ids")
+    _add_mesh(p)
     p.set_defaults(fn=_cmd_sample)
     p = sub.add_parser("train", help="pre-train from a YAML run config (model, optim, mesh, data, checkpoint)")
     p.add_argument("--config", required=True, help="run config: a YAML file, or a shipped one by name "

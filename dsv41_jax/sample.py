@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 from tokenizers import Tokenizer
 
-from dsv41_jax.checkpoint.load import load_model
 from dsv41_jax.config import ConfigError
+from dsv41_jax.engine.mesh import load_for_serving
 from dsv41_jax.engine.sampling import Generator, SamplingConfig, validate_prompts
 from dsv41_jax.engram_device import device_engram
 
@@ -40,13 +40,14 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
            ids: Sequence[Sequence[int]] | None = None, max_new_tokens: int = 32, max_seq_len: int = 4096,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
            prefill_mode: str = "exact", prefill_chunk: int = 512, dtype: str = "bfloat16",
-           show_ids: bool = False, log: Callable[[str], None] = _print) -> list[list[int]]:
+           show_ids: bool = False, mesh: str | None = None, log: Callable[[str], None] = _print) -> list[list[int]]:
     """Sample continuations of text ``prompts`` (or token-id prompts ``ids``) from one checkpoint source.
 
     Each block's new text is logged as ``[row] text``; with ``show_ids`` each row's generated ids follow as
     ``[row] ids a,b,c``. Rows stop at the model's EOS or after ``max_new_tokens``. Returns the generated ids.
+    ``mesh`` (``--mesh``): the weights sharded by the sharding table, sequences split over data × expert.
     """
-    loaded = load_model(run=run, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype, log=log)
+    loaded, on = load_for_serving(mesh, run=run, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype, log=log)
     if loaded.step is not None:
         log(f"sampling from {run} step {loaded.step}")
     cfg = loaded.model.cfg
@@ -57,7 +58,7 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                                   stop_tokens=(cfg.eos_token_id,), prefill_mode=prefill_mode,
                                   prefill_chunk=prefill_chunk)
-        gen = Generator(loaded.model, device_engram(loaded.hasher), len(batch), max_seq_len, sampling)
+        gen = Generator(loaded.model, device_engram(loaded.hasher), len(batch), max_seq_len, sampling, mesh=on)
     except ValueError as err:
         raise ConfigError(f"{'--ids' if ids else '--prompt'}: {err}") from None
 

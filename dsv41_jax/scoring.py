@@ -8,6 +8,7 @@ serves the reference implementation's dumps and our own runs. :func:`score` is `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -17,13 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.checkpoint.load import load_model
+from dsv41_jax.engine.mesh import load_for_serving
 from dsv41_jax.engram_hash import EngramHasher
 from dsv41_jax.model import Transformer
 from dsv41_jax.model.indexer import block_mask
+from dsv41_jax.model.moe import expert_parallel
+from dsv41_jax.sharding import named_shardings, state_partition_specs
 
 
-def score_inputs(model: Transformer, hasher: EngramHasher, inputs) -> dict[str, np.ndarray]:
+def score_inputs(model: Transformer, hasher: EngramHasher, inputs, mesh: jax.sharding.Mesh | None = None
+                 ) -> dict[str, np.ndarray]:
     """Every ``<tag>_ids`` array of ``inputs`` (an npz) through :func:`prefill_outputs`, golden-named; per-layer
     detail for the first tag only, as the reference dumps. Raises ``ValueError`` when there is no such array."""
     tags = [k.removesuffix("_ids") for k in inputs.files if k.endswith("_ids")]
@@ -31,19 +35,27 @@ def score_inputs(model: Transformer, hasher: EngramHasher, inputs) -> dict[str, 
         raise ValueError("no '<tag>_ids' arrays found")
     ours: dict[str, np.ndarray] = {}
     for tag in tags:
-        ours |= prefill_outputs(model, hasher, inputs[f"{tag}_ids"], tag, layers_detail=tag == tags[0])
+        ours |= prefill_outputs(model, hasher, inputs[f"{tag}_ids"], tag, layers_detail=tag == tags[0], mesh=mesh)
     return ours
 
 
 def prefill_outputs(model: Transformer, hasher: EngramHasher, ids: np.ndarray, tag: str,
-                    layers_detail: bool = False) -> dict[str, np.ndarray]:
-    """Logits at every position and every discrete decision of a full-sequence forward."""
+                    layers_detail: bool = False, mesh: jax.sharding.Mesh | None = None) -> dict[str, np.ndarray]:
+    """Logits at every position and every discrete decision of a full-sequence forward (on ``mesh``: the
+    weights sharded by the sharding table, MoE layers expert-parallel)."""
     cfg = model.cfg
     a = cfg.attention
     rows, _ = hasher.row_ids(np.asarray(ids, np.int64), None)
     graphdef, state = nnx.split(model)
-    fwd = jax.jit(lambda st, t, r: nnx.merge(graphdef, st)(t, r, return_aux=True))
-    logits, aux = fwd(state, jnp.asarray(ids), jnp.asarray(rows, jnp.int32))
+    if mesh is not None:
+        state = jax.device_put(state, named_shardings(mesh, state_partition_specs(state, mesh=mesh)))
+
+    def forward(st, t, r):
+        with expert_parallel(mesh):
+            return nnx.merge(graphdef, st)(t, r, return_aux=True)
+
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        logits, aux = jax.jit(forward)(state, jnp.asarray(ids), jnp.asarray(rows, jnp.int32))
     out = {f"{tag}_prefill_logits": np.asarray(logits, np.float32), f"{tag}_engram_row_ids": rows}
     for layer in a.index_source_layers:
         out[f"{tag}_topk_{layer}"] = np.asarray(aux.shared[layer].topk).astype(np.int16)
@@ -113,7 +125,8 @@ class ScoreInputError(ValueError):
 def score(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.PathLike | None = None,
           inputs: str | os.PathLike | None = None, ids: str | os.PathLike | None = None,
           out: str | os.PathLike | None = None, reference: str | os.PathLike | None = None,
-          dtype: str = "float32", param_dtype: str | None = None, as_json: bool = False) -> dict[str, np.ndarray]:
+          dtype: str = "float32", param_dtype: str | None = None, as_json: bool = False, mesh: str | None = None
+          ) -> dict[str, np.ndarray]:
     """Run an Orbax (``ckpt``) or release-format (``hf_dir``) checkpoint on token ids: ``dsv41 score``.
 
     ``inputs``: an npz of ``<tag>_ids`` arrays; every golden-named output (:func:`score_inputs`) is written to
@@ -123,7 +136,7 @@ def score(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.PathLike | 
     """
     if (inputs is None) == (ids is None):
         raise ValueError("score: give exactly one of inputs, ids")
-    loaded = load_model(ckpt=ckpt, hf_dir=hf_dir, dtype=dtype, param_dtype=param_dtype)
+    loaded, on = load_for_serving(mesh, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype, param_dtype=param_dtype)
     model, hasher = loaded.model, loaded.hasher
     if ids is not None:
         tokens = np.load(ids)
@@ -131,12 +144,12 @@ def score(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.PathLike | 
             raise ScoreInputError(f"{ids}: expected integer token ids [B, S], got {tokens.dtype} {tokens.shape}")
         if tokens.min() < 0 or tokens.max() >= model.cfg.vocab_size:
             raise ScoreInputError(f"{ids}: token ids must lie in [0, {model.cfg.vocab_size})")
-        logits = prefill_outputs(model, hasher, tokens, "ids")["ids_prefill_logits"]
+        logits = prefill_outputs(model, hasher, tokens, "ids", mesh=on)["ids_prefill_logits"]
         np.save(out or "logits.npy", logits)
         print(f"wrote logits {logits.shape} to {out or 'logits.npy'}")
         return {"logits": logits}
     try:
-        ours = score_inputs(model, hasher, np.load(inputs))
+        ours = score_inputs(model, hasher, np.load(inputs), mesh=on)
     except ValueError as err:
         raise ScoreInputError(f"{inputs}: {err}") from None
     save_and_report(ours, out, reference, as_json)

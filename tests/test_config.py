@@ -201,7 +201,8 @@ def test_yaml_model_section(tmp_path):
 
 def test_preset_alone_and_overrides(tmp_path):
     assert C.load_yaml(_write(tmp_path, "preset: tiny\n")) == C.tiny()
-    assert C.load_yaml(_write(tmp_path, "")) == C.v41_flash()  # an empty file is the release
+    assert C.load_yaml(_write(tmp_path, "{}\n")) == C.v41_flash()  # no keys: the release
+    _raises_naming(_write(tmp_path, "# nothing yet\n"), "the file is empty")  # more likely a mistake
     cfg = C.load_yaml(_write(tmp_path, "preset: tiny\nattention: {window_size: 4}\n"))
     assert cfg.attention.window_size == 4 and cfg.attention.index_topk == 16  # only that key changed
     _raises_naming(_write(tmp_path, "preset: tinyy\n"), "tinyy")

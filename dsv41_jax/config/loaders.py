@@ -6,6 +6,7 @@ Every unknown key, wrong type or impossible value is a :class:`ConfigError` that
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
@@ -57,8 +58,10 @@ def build_dataclass(cls: type, data: dict, base: Any, prefix: str, source: str |
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        fail(f"unknown key(s) {', '.join(prefix + k for k in unknown)}; valid keys here: "
-             f"{', '.join(sorted(names))}", source)
+        close = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+        hint = "; ".join(f"did you mean {prefix}{m[0]}?" for k, m in close.items() if m)
+        fail(f"unknown key(s) {', '.join(prefix + k for k in unknown)}{f' ({hint})' if hint else ''}; valid keys "
+             f"here: {', '.join(sorted(names))}", source)
     changes = {}
     for k, v in data.items():
         tp = hints[k]
@@ -66,16 +69,16 @@ def build_dataclass(cls: type, data: dict, base: Any, prefix: str, source: str |
             changes[k] = build_dataclass(tp, v, getattr(base, k), f"{prefix}{k}.", source)
         else:
             changes[k] = check_type(v, tp, prefix + k, source)
-    if cls is ModelConfig:
-        try:
-            return dataclasses.replace(base, **changes)
-        except ConfigError as err:
-            fail(str(err), source)
-    return dataclasses.replace(base, **changes)
+    try:  # a config's own checks of ranges and relations (its __post_init__), named by the section
+        return dataclasses.replace(base, **changes)
+    except ConfigError as err:
+        section = prefix.rstrip(".")
+        fail(f"{section}: {err}" if section else str(err), source)
 
 
-def from_dict(data: dict, source: str | None = None) -> ModelConfig:
-    """Build a config from a nested dict; ``preset: name`` picks the base the other keys override."""
+def from_dict(data: dict, source: str | None = None, prefix: str = "") -> ModelConfig:
+    """Build a config from a nested dict; ``preset: name`` picks the base the other keys override. ``prefix``
+    (``"model."`` in a run config) makes every key in an error message the full dotted key."""
     if not isinstance(data, dict):
         fail(f"a model config must be a mapping of keys to values, got {type(data).__name__}", source)
     bad = [k for k in data if not isinstance(k, str)]
@@ -84,18 +87,46 @@ def from_dict(data: dict, source: str | None = None) -> ModelConfig:
     data = dict(data)
     preset = data.pop("preset", "v41_flash")
     if not isinstance(preset, str) or preset not in PRESETS:
-        fail(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}", source)
-    return build_dataclass(ModelConfig, data, PRESETS[preset](), "", source)
+        fail(f"key '{prefix}preset': unknown preset {preset!r}; choose one of {sorted(PRESETS)}", source)
+    return build_dataclass(ModelConfig, data, PRESETS[preset](), prefix, source)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} is given twice (also on line "
+                                  f"{seen[key]}); a config keeps one value per key")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 def read_yaml(path: str | Path, section: str | None = None) -> Any:
-    """A YAML document (or one of its top-level sections), with errors that name the file."""
+    """The YAML document of a config file (or one of its top-level sections), with one-line errors that name
+    the file: unreadable, not YAML, empty, several documents, or a key given twice."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"{path}: cannot read YAML: {err}") from err
-    data = {} if data is None else data
+        docs = list(yaml.load_all(path.read_text(), Loader=_StrictLoader))
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read it: {err.strerror or err}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not a text file ({err.reason} at byte {err.start})") from err
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(err, 'problem', None) or err}") from err
+    docs = [d for d in docs if d is not None]
+    if not docs:
+        raise ConfigError(f"{path}: the file is empty (or only comments); a config needs its keys")
+    if len(docs) > 1:
+        raise ConfigError(f"{path}: holds {len(docs)} YAML documents (separated by '---'); a config is one document")
+    data = docs[0]
     if section is not None:
         if not isinstance(data, dict) or section not in data:
             raise ConfigError(f"{path}: missing top-level key '{section}'")

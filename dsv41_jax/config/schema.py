@@ -7,6 +7,7 @@ into sub-configs so that each module receives only its own part (spec model §1.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 
@@ -175,8 +176,72 @@ class ModelConfig:
 # validation
 
 
+# values that must be > 0, by section ("" = the top level); ints among them must be ≥ 1
+_POSITIVE = {
+    "": ("vocab_size", "dim", "n_layers", "norm_eps"),
+    "attention": ("n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "window_size",
+                  "candidate_topk_blocks", "candidate_block_size", "index_n_heads", "index_head_dim", "index_topk",
+                  "rope_theta", "compress_rope_theta", "rope_factor", "beta_fast", "beta_slow", "original_seq_len"),
+    "moe": ("n_routed_experts", "moe_inter_dim", "route_scale", "swiglu_limit", "gate_temp"),
+    "mhc": ("hc_mult", "hc_sinkhorn_iters", "hc_eps"),
+    "engram": ("vocab_size", "n_heads", "head_dim", "compressed_vocab_size"),
+    "dspark": ("block_size", "markov_rank", "n_routed_experts", "n_activated_experts"),
+    "vision": ("n_layers", "dim", "n_heads", "inter_dim", "patch_size", "rope_theta", "downsample_ratio",
+               "max_n_token", "min_pixels"),
+}
+
+
+@functools.lru_cache(maxsize=64)
+def _engram_rows(vocab_size: int, n_layers: int, n_orders: int, n_heads: int) -> tuple[int, ...]:
+    from dsv41_jax.engram_hash import engram_primes  # imports this module's package: resolved at call time
+
+    cfg = EngramConfig(layer_ids=tuple(range(n_layers)), num_embeddings=(1,) * n_layers, max_ngram_size=n_orders + 1,
+                       vocab_size=vocab_size, n_heads=n_heads)
+    return tuple(int(x) for x in engram_primes(cfg).reshape(n_layers, -1).sum(1))
+
+
+def _check_ranges(cfg: ModelConfig, source: str | None) -> None:
+    """Sizes, counts and scales positive; token ids inside the vocabulary; the few ordered pairs in order."""
+    for section, keys in _POSITIVE.items():
+        sub = getattr(cfg, section) if section else cfg
+        for key in keys:
+            v = getattr(sub, key)
+            if not v > 0:  # also NaN
+                name = f"{section}.{key}" if section else key
+                fail(f"{name} must be {'≥ 1' if isinstance(v, int) else '> 0'}, got {v}", source)
+    if cfg.dspark.n_layers < 0:
+        fail(f"dspark.n_layers must be ≥ 0, got {cfg.dspark.n_layers}", source)
+    ids = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+           "image_token_id": cfg.image_token_id, "engram.pad_id": cfg.engram.pad_id,
+           "dspark.noise_token_id": cfg.dspark.noise_token_id}
+    for key, t in ids.items():
+        if not 0 <= t < cfg.vocab_size:
+            fail(f"{key} {t} is not a token id of the vocabulary [0, {cfg.vocab_size})", source)
+    e, a = cfg.engram, cfg.attention
+    if any(not v > 0 for v in e.num_embeddings):
+        fail(f"engram.num_embeddings must all be ≥ 1, got {list(e.num_embeddings)}", source)
+    if e.layer_ids and e.max_ngram_size >= 2 and len(e.num_embeddings) == len(e.layer_ids):
+        rows = _engram_rows(e.vocab_size, len(e.layer_ids), e.max_ngram_size - 1, e.n_heads)
+        if tuple(e.num_embeddings) != rows:  # else row ids miss the table: gathers clamp, silently wrong
+            fail(f"engram.num_embeddings {list(e.num_embeddings)} must be the rows the hash addresses, {list(rows)} "
+                 f"(per layer the sum of its primes above engram.vocab_size {e.vocab_size}: max_ngram_size − 1 "
+                 "orders × n_heads each, spec model §6.3)", source)
+    if a.beta_fast <= a.beta_slow:
+        fail(f"attention.beta_fast ({a.beta_fast}) must exceed beta_slow ({a.beta_slow}) (YaRN ramp)", source)
+    if a.rope_factor < 1:
+        fail(f"attention.rope_factor must be ≥ 1 (YaRN extends the context), got {a.rope_factor}", source)
+    d = cfg.dspark
+    if d.n_activated_experts > d.n_routed_experts:
+        fail(f"dspark.n_activated_experts ({d.n_activated_experts}) must be ≤ dspark.n_routed_experts "
+             f"({d.n_routed_experts})", source)
+    v = cfg.vision
+    if v.dim % v.n_heads:
+        fail(f"vision.dim {v.dim} must be divisible by vision.n_heads {v.n_heads}", source)
+
+
 def validate(cfg: ModelConfig, source: str | None = None) -> None:
-    """Reject impossible topologies with a message that names the offending key."""
+    """Reject impossible values and topologies with a message that names the offending key."""
+    _check_ranges(cfg, source)
     a, n = cfg.attention, cfg.n_layers
     total = n + cfg.dspark.n_layers
     if cfg.dtype not in ("bfloat16", "float32") or cfg.param_dtype not in ("bfloat16", "float32"):

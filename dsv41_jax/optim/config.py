@@ -93,13 +93,14 @@ def validate(c: OptimConfig) -> None:
         raise ConfigError(f"'state_dtype' must be 'float32' or 'bfloat16', got {c.state_dtype!r}")
 
 
-def from_dict(data: dict, source: str | None = None) -> OptimConfig:
-    """Strictly build an :class:`OptimConfig` from a dict: unknown keys and wrong types name key and file."""
+def from_dict(data: dict, source: str | None = None, prefix: str = "") -> OptimConfig:
+    """Strictly build an :class:`OptimConfig` from a dict: unknown keys and wrong types name key and file;
+    ``prefix`` (``"optim."`` in a run config) makes them full dotted keys."""
     if isinstance(data, dict) and any(not isinstance(k, str) for k in data):
         raise ConfigError(f"{source or '<dict>'}: optimizer config keys must be strings, got "
                           f"{[k for k in data if not isinstance(k, str)]}")
     try:
-        return build_dataclass(OptimConfig, data, OptimConfig(), "", source)
+        return build_dataclass(OptimConfig, data, OptimConfig(), prefix, source)
     except ConfigError as err:
         if source and not str(err).startswith(f"{source}:"):
             raise ConfigError(f"{source}: {err}") from None

@@ -8,6 +8,7 @@ dotted keys (``optim.lr=1e-3``, ``model.moe.n_routed_experts=16``) and YAML-pars
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,15 +162,17 @@ def from_dict(data: dict, source: str | None = None) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(str(k) for k in set(data) - names)
     if unknown:
-        _fail(f"unknown key(s) {', '.join(unknown)}; valid keys here: {', '.join(sorted(names))}", source)
+        hint = "; ".join(f"did you mean {m[0]}?" for k in unknown if (m := difflib.get_close_matches(k, names, 1)))
+        _fail(f"unknown key(s) {', '.join(unknown)}{f' ({hint})' if hint else ''}; valid keys here: "
+              f"{', '.join(sorted(names))}", source)
     base = TrainConfig()
     changes: dict[str, Any] = {}
     if "model" in data:
-        changes["model"] = C.from_dict(data["model"] or {}, source)
+        changes["model"] = C.from_dict(data["model"] or {}, source, prefix="model.")
         if "preset" not in (data["model"] or {}):
             _fail("key 'model.preset' is required (tiny or v41_flash): the other model keys override it", source)
     if "optim" in data:
-        changes["optim"] = optim_from_dict(data["optim"] or {}, source)
+        changes["optim"] = optim_from_dict(data["optim"] or {}, source, prefix="optim.")
     for key, cls in _SECTIONS.items():
         if key in data:
             sub = _mesh_dict(data[key], source) if key == "mesh" else data[key]

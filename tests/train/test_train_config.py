@@ -39,8 +39,18 @@ def test_overrides_reach_nested_keys():
 @pytest.mark.parametrize("data, match", [
     ({"model": {"preset": "tiny"}, "optimizer": {}}, "unknown key.*optimizer"),
     ({"model": {"preset": "tiny"}, "data": {"seq_length": 3}}, r"data\.seq_length"),
-    ({"model": {"preset": "tiny", "dimm": 3}}, "dimm"),
-    ({"model": {"preset": "tiny"}, "optim": {"lr": "fast"}}, "'lr' must be a number"),
+    ({"model": {"preset": "tiny", "dimm": 3}}, r"unknown key\(s\) model\.dimm \(did you mean model\.dim\?\)"),
+    ({"model": {"preset": "tiny"}, "optim": {"lrr": 1.0}}, r"unknown key\(s\) optim\.lrr \(did you mean optim\.lr\?\)"),
+    ({"model": {"preset": "tiny", "moe": {"n_routed_expert": 3}}}, r"model\.moe\.n_routed_expert \(did you mean "
+     r"model\.moe\.n_routed_experts\?\)"),
+    ({"model": {"preset": "tiny"}, "stpes": 3}, r"unknown key\(s\) stpes \(did you mean steps\?\)"),
+    ({"model": {"preset": "tiny"}, "optim": {"lr": "fast"}}, "key 'optim.lr' must be a number"),
+    ({"model": {"preset": "tiny", "attention": {"window_size": "8"}}}, "key 'model.attention.window_size' must be an "
+     "integer"),
+    ({"model": {"preset": "tiny", "attention": {"window_size": 0}}}, "model: attention.window_size must be ≥ 1, "
+     "got 0"),
+    ({"model": {"preset": "tiny"}, "optim": {"lr_floor": 1.0}}, "optim: need 0 ≤ lr_floor ≤ lr"),
+    ({"model": {"preset": "tiny"}, "nonfinite": {"action": "ignore"}}, "key 'nonfinite.action' must be stop or skip"),
     ({"model": {"preset": "tiny"}, "steps": 1.5}, "'steps' must be an integer"),
     ({"model": {"preset": "tiny"}, "mesh": {"data": "auto", "fsdp": "auto"}}, "at most one axis"),
     ({"model": {"preset": "tiny"}, "mesh": {"expert": 0}}, r"mesh\.expert"),

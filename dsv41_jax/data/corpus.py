@@ -60,9 +60,10 @@ def read_documents(source: str, paths: tuple[str, ...] = (), limit: int = 2000, 
         if len(docs) >= limit:
             break
         try:
-            raw = path.read_text(encoding="utf-8", errors="strict" if source == "jsonl" else "replace")
-        except (OSError, UnicodeDecodeError) as err:
-            raise ConfigError(f"{path}: cannot read: {err}") from err
+            raw = path.read_text(encoding="utf-8", errors="replace") if source == "embedded" else \
+                _decode(path, path.read_bytes(), strict=source == "jsonl")
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from err
         if source == "jsonl":
             for n, line in enumerate(raw.splitlines()):
                 if not line.strip():
@@ -76,6 +77,25 @@ def read_documents(source: str, paths: tuple[str, ...] = (), limit: int = 2000, 
         elif raw.strip():
             docs.append(raw)
     return docs[:limit]
+
+
+def _decode(path: Path, raw: bytes, strict: bool) -> str:
+    """UTF-8 text of a corpus file; a binary file (NUL bytes, or over 2% undecodable bytes) is an error rather
+    than documents of replacement characters. ``strict`` (jsonl): any undecodable byte is an error."""
+    if b"\0" in raw[:65536]:
+        raise ConfigError(f"{path}: a binary file (it holds NUL bytes), not UTF-8 text; check data.paths")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        first = err.start
+        if strict:
+            raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {first})") from err
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    if bad > 0.02 * len(text):
+        raise ConfigError(f"{path}: {bad} of {len(text)} characters are not UTF-8 (the first at byte {first}): a "
+                          "binary file or another encoding; data.source text reads UTF-8 text files")
+    return text
 
 
 def _need(module: str, source: str):
@@ -215,7 +235,13 @@ def open_documents(source: str, paths: tuple[str, ...] = (), limit: int = 2000, 
     matches nothing, or a file that cannot be read, is a :class:`ConfigError` naming it.
     """
     if source == "parquet":
-        return ParquetDocuments(_expand(paths), parquet_column, limit)
-    if source == "arrayrecord":
-        return ArrayRecordDocuments(_expand(paths), limit)
-    return read_documents(source, paths, limit, jsonl_key)
+        docs = ParquetDocuments(_expand(paths), parquet_column, limit)
+    elif source == "arrayrecord":
+        docs = ArrayRecordDocuments(_expand(paths), limit)
+    else:
+        docs = read_documents(source, paths, limit, jsonl_key)
+    if len(docs) == 0:
+        what = {"jsonl": f"no line with a non-empty {jsonl_key!r} (data.jsonl_key)", "parquet": "no rows",
+                "arrayrecord": "no records"}.get(source, "only empty files")
+        raise ConfigError(f"data.paths {list(paths)}: the corpus is empty ({what}); nothing to train on")
+    return docs

@@ -32,10 +32,8 @@ def resolve_config(spec: str) -> C.ModelConfig:
     if path.is_dir() or path.name == "config.json":
         return C.from_hf(path)
     if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(path.read_text()) or {}
-        return C.load_yaml(path, section="model" if "model" in data else None)
+        data = C.read_yaml(path)  # a model config, or a run config's model section
+        return C.load_yaml(path, section="model" if isinstance(data, dict) and "model" in data else None)
     raise C.ConfigError(f"--config {spec!r}: not a preset ({', '.join(C.PRESETS)}), YAML file or HF directory")
 
 

@@ -167,6 +167,8 @@ class RunCheckpointer:
                 root = root.__cause__
             reason = " ".join(str(root).split())
             raise CheckpointDamaged(f"does not restore: {reason[:500]}") from err
+        if not state_is_finite(state):  # saved before non-finite states were refused: a diverged run
+            raise CheckpointDamaged("it holds NaN or inf values (saved by a run that diverged)")
         data = out["data"]
         if not isinstance(data, dict) or "processes" not in data:
             raise CheckpointDamaged("the data item is not an iterator state of this format")

@@ -13,6 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from fault_testing import read_only_directory
 
@@ -86,6 +87,21 @@ def test_same_size_corruption_is_caught_by_the_checksums(tmp_path):
     rel = biggest.relative_to(ck.dir / "2")
     assert len(messages) == 1 and f"checkpoint step 2 at {ck.dir / '2'} is damaged ({rel} does not match the " \
         "checksum" in messages[0], messages
+
+
+def test_a_non_finite_checkpoint_of_an_older_run_is_not_resumed_from(tmp_path):
+    ck = _saved(tmp_path, steps=(1,))
+    bad = dict(STATE, w=STATE["w"].at[0, 0].set(jnp.inf))
+    ck.manager.save(2, args=ocp.args.Composite(  # as runs saved before non-finite states were refused
+        state=ocp.args.StandardSave(bad), data=ocp.args.JsonSave({"process_count": 1, "processes": [{}]}),
+        config=ocp.args.JsonSave({})))
+    ck.close()
+    messages: list[str] = []
+    ck = RunCheckpointer(tmp_path, every=1, keep=5)
+    step, _, _ = ck.restore_latest(STATE, log=messages.append)
+    ck.close()
+    assert step == 1 and "checkpoint step 2 at" in messages[0], messages
+    assert "is damaged (it holds NaN or inf values (saved by a run that diverged))" in messages[0], messages
 
 
 def _damage(step_dir):

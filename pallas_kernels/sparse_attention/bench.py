@@ -94,16 +94,18 @@ def timed(fn, *args, iters: int, device: bool = False) -> float:
     return benchutil.median_us(fn, *args, iters=iters)
 
 
-def forward(b: int, s: int, t: int, iters: int, **kw) -> None:
-    args, extra = inputs(b, s, t, **kw)
+def forward(b: int, s: int, t: int, iters: int, *, n: int = N, h: int = H, slots=(2,), **kw) -> None:
+    args, extra = inputs(b, s, t, n=n, h=h, **kw)
     q, wkv, sink, window, ckv, top = args
     main, ext, idx = jax.jit(lambda *a: layout.key_rows(*a, dtype=q.dtype, **extra), static_argnums=1)(
         wkv, window, ckv, top)
-    flops = 4 * N * H * visible_keys(idx)
-    scale = H ** -0.5
+    flops = 4 * n * h * visible_keys(idx)
+    scale = h ** -0.5
     decode = s == 1
     rows = {
-        "kernel": (jax.jit(lambda *a: mk.sparse_mqa(*a, scale)[0]), (q, main, ext, idx, sink)),
+        f"kernel slots={k}": (jax.jit(lambda *a, k=k: mk.sparse_mqa(*a, scale, slots=k)[0]), (q, main, ext, idx, sink))
+        for k in slots if mk.smem_bytes(h, idx.shape[-1], k) <= mk.SMEM_BYTES}
+    rows |= {
         "kernel+layout": (jax.jit(lambda *a: api.sparse_attention(*a, backend="pallas", **extra),
                                   static_argnums=3), args),
         "xla": (jax.jit(lambda *a: api.sparse_attention(*a, backend="xla", **extra), static_argnums=3), args),
@@ -111,25 +113,26 @@ def forward(b: int, s: int, t: int, iters: int, **kw) -> None:
     for name, (fn, a) in rows.items():
         us = timed(fn, *a, iters=iters, device=decode)
         tf = flops / us / 1e6
-        print(json.dumps({"op": "forward", "impl": name, "b": b, "s": s, "t": t, "us": round(us, 1),
+        print(json.dumps({"op": "forward", "impl": name, "b": b, "s": s, "t": t, "n": n, "h": h, "us": round(us, 1),
                           "tflops": round(tf, 1), "peak_share": round(tf / PEAK_TFLOPS, 3),
                           "visible_keys_per_query": round(visible_keys(idx) / (b * s), 1),
                           "device": jax.devices()[0].device_kind, "jax": jax.__version__}), flush=True)
 
 
-def backward(b: int, s: int, t: int, iters: int) -> None:
-    args, _ = inputs(b, s, t)
+def backward(b: int, s: int, t: int, iters: int, *, n: int = N, h: int = H) -> None:
+    args, _ = inputs(b, s, t, n=n, h=h)
     q, wkv, sink, window, ckv, top = args
     g = jnp.ones(q.shape, q.dtype)
     _, _, idx = layout.key_rows(wkv, window, ckv, top, dtype=q.dtype)
-    flops = 2 * 4 * N * H * visible_keys(idx)  # dS·K, dS·Q, P·dO and dP = dO·K: twice the forward
+    flops = 2 * 4 * n * h * visible_keys(idx)  # dS·K, dS·Q, P·dO and dP = dO·K: twice the forward
     for name in ("pallas", "xla"):
         def loss(q, wkv, ckv, sink, name=name):
             return (api.sparse_attention(q, wkv, sink, window, ckv, top, backend=name) * g).sum()
         fn = jax.jit(jax.grad(loss, (0, 1, 2, 3)))
         us = timed(fn, q, wkv, ckv, sink, iters=iters)
         tf = flops / us / 1e6  # the forward (recomputed or not) is inside the timed grad
-        print(json.dumps({"op": "forward+backward", "impl": name, "b": b, "s": s, "t": t, "us": round(us, 1),
+        print(json.dumps({"op": "forward+backward", "impl": name, "b": b, "s": s, "t": t, "n": n, "h": h,
+                          "us": round(us, 1),
                           "tflops_bwd_counted": round(tf, 1), "device": jax.devices()[0].device_kind}), flush=True)
 
 
@@ -138,7 +141,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--check", action="store_true")
     p.add_argument("--long", action="store_true", help="also 64K queries")
+    p.add_argument("--only", choices=["release", "small"], default=None,
+                   help="release: 64 heads x 512; small: configs/small.yaml's 16 heads x 256 at 8K")
     args = p.parse_args()
+    if args.only == "small":
+        forward(1, 8192, 2048, args.iters, n=16, h=256, slots=(2, 3))
+        backward(1, 8192, 2048, max(3, args.iters // 2), n=16, h=256)
+        return
     if args.check:
         for case in [dict(b=2, s=130, t=40, n=64, h=512), dict(b=1, s=70, t=300, n=16, h=256),
                      dict(b=3, s=1, t=700, n=64, h=512, ring=128), dict(b=1, s=64, t=20, n=4, h=64, window=8,

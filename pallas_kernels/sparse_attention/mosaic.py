@@ -63,9 +63,9 @@ def _gather_ptx(row_bytes: int) -> str:
         "cp.async.cg.shared.global [$3], [g], 16;", "}"])
 
 
-def _issue_gather(h: int, n_wg: int):
-    """``issue(idx_ref, main_ref, extra_ref, dst_ref)``: this warpgroup's share of the 64 rows (rows
-    ``wg, wg + n_wg, ...`` in passes) of ``main`` / ``extra`` named by ``idx_ref`` into ``dst_ref`` [64, H]
+def _issue_gather(h: int, n_wg: int, keys: int):
+    """``issue(idx_ref, main_ref, extra_ref, dst_ref)``: this warpgroup's share of the ``keys`` rows (rows
+    ``wg, wg + n_wg, ...`` in passes) of ``main`` / ``extra`` named by ``idx_ref`` into ``dst_ref`` [keys, H]
     (tiled (8, 64), 128-byte swizzle) with ``cp.async``, as one commit group."""
     chunks = h * 2 // 16  # 16-byte chunks a row
     rows_per_pass = 128 // chunks
@@ -91,7 +91,7 @@ def _issue_gather(h: int, n_wg: int):
         src_extra = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(extra_ref)), offset)
         n_main = c(ir.MemRefType(main_ref.type).shape[0])
         dst_base = llvm.ptrtoint(i32, mu.memref_ptr(dst_ref))
-        for p in range(KEYS // (rows_per_pass * n_wg)):
+        for p in range(keys // (rows_per_pass * n_wg)):
             r = arith.addi(r0, c(p * rows_per_pass * n_wg))
             rlo = arith.remui(r, c(8))
             tile = arith.addi(arith.muli(arith.divui(r, c(8)), c(h // TILE[1])), col_tile)
@@ -106,22 +106,39 @@ def _issue_gather(h: int, n_wg: int):
     return issue
 
 
+def _land_but(pending: int):
+    """``land()``: this thread's ``cp.async`` groups but the newest ``pending`` have landed and are visible to
+    the async proxy (wgmma)."""
+    @plgpu.inline_mgpu()
+    def land(ctx):
+        del ctx
+        from jax.experimental.mosaic.gpu import utils as mu
+        from jaxlib.mlir.dialects import nvvm
+
+        nvvm.cp_async_wait_group(pending)
+        mu.commit_shared()
+
+    return land
+
+
+_LAND = [_land_but(i) for i in range(2)]
+
+
 @plgpu.inline_mgpu()
-def _land(ctx):
-    """This thread's ``cp.async`` copies have landed, and are visible to the async proxy (wgmma)."""
+def _commit_empty(ctx):
+    """An empty ``cp.async`` group: every step commits one, so ``wait_group(n)`` counts tiles."""
     del ctx
-    from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir.dialects import nvvm
 
-    nvvm.cp_async_wait_group(0)
-    mu.commit_shared()
+    nvvm.cp_async_commit_group()
 
 
 def _body(q_ref, main_ref, extra_ref, idx_ref, sink_ref, o_ref, lse_ref, q_smem, k_smem, idx_smem, sink_smem,
-          bar, sync, *, scale: float, n_wg: int, chunk: int, interpret: bool):
+          bar, sync, *, scale: float, n_wg: int, chunk: int, slots: int, interpret: bool):
     qi, grp = lax.axis_index("q"), lax.axis_index("g")
     part = lax.axis_index("wg")  # this warpgroup's output lanes
-    n_tiles = idx_smem.shape[0]
+    n_tiles, keys_a_tile = idx_smem.shape
+    ahead = slots - 1  # tiles in flight while one is computed
     b, s = qi // q_ref.shape[1], qi % q_ref.shape[1]
     heads = pl.ds(grp * HEADS, HEADS)
     h = q_smem.shape[-1]
@@ -154,59 +171,74 @@ def _body(q_ref, main_ref, extra_ref, idx_ref, sink_ref, o_ref, lse_ref, q_smem,
                 def _():
                     k_smem[slot, pl.ds(r, 1), :] = extra[pl.ds(src, 1), :]
                 return carry
-            lax.fori_loop(0, KEYS // n_wg, row, 0)
+            lax.fori_loop(0, keys_a_tile // n_wg, row, 0)
 
         def land():
+            pass
+
+        def commit_empty():
             pass
         col_vec = lambda ref: ref[...]  # noqa: E731
         row_vec = col_vec
         as_acc = as_row = lambda x: x  # noqa: E731
 
         # the interpreter has no rule for run_state, nor for wgmma on a transposed ref: plain products
-        def scores(keys):
-            return lax.dot_general(q_smem[...], keys[...], (((1,), (1,)), ((), ())),
+        def scores(queries, keys):
+            return lax.dot_general(queries[...], keys[...], (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
 
         def accumulate(o, p, values):
             return o + jnp.dot(p, values[...], preferred_element_type=jnp.float32)
     else:
-        issue = _issue_gather(h, n_wg)
+        issue = _issue_gather(h, n_wg, keys_a_tile)
 
         def gather(t, slot):
             issue(idx_smem.at[t], main, extra, k_smem.at[slot])
 
-        land = _land
+        land = _LAND[ahead - 1]
+        commit_empty = _commit_empty
         col_vec = lambda ref: plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))  # noqa: E731
         row_vec = lambda ref: plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))  # noqa: E731
         as_acc = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)  # noqa: E731
         as_row = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))  # noqa: E731
 
-        def scores(keys):
+        def scores(queries, keys):
             def qk(acc):
-                plgpu.wgmma(acc, q_smem, plgpu.transpose_ref(keys, (1, 0)))
+                plgpu.wgmma(acc, queries, plgpu.transpose_ref(keys, (1, 0)))
                 return acc[...]
-            return pl.run_scoped(qk, plgpu.ACC((HEADS, KEYS), jnp.float32))
+            return pl.run_scoped(qk, plgpu.ACC((HEADS, keys_a_tile), jnp.float32))
 
         def accumulate(o, p, values):
             return pl.run_state(lambda acc: plgpu.wgmma(acc, p, values))(plgpu.ACC.init(o))
 
-    gather(0, 0)
+    for t in range(ahead):  # prologue: one commit group a tile, empty past the last
+        @pl.when(t < n_tiles)
+        def _(t=t):
+            gather(t, t)
+
+        @pl.when(t >= n_tiles)
+        def _():
+            commit_empty()
     m = row_vec(sink_smem).astype(jnp.float32)  # the sink starts the running max and denominator
     l_ = as_row(jnp.ones((HEADS,), jnp.float32))
     o = as_acc(jnp.zeros((HEADS, chunk), jnp.float32))
 
     def step(t, carry):
         o, m, l_ = carry
-        slot = lax.rem(t, 2)
-        land()
+        slot = lax.rem(t, slots)
+        land()  # tile t's group has landed (the ``ahead - 1`` newer ones may not have)
         cta_sync()
 
-        @pl.when(t + 1 < n_tiles)
+        @pl.when(t + ahead < n_tiles)
+        def _():  # into the slot of tile t − 1, which every warpgroup is done with; overlaps these products
+            gather(t + ahead, lax.rem(t + ahead, slots))
+
+        @pl.when(t + ahead >= n_tiles)
         def _():
-            gather(t + 1, 1 - slot)  # overlaps this tile's products
+            commit_empty()
 
         keys = k_smem.at[slot]
-        logits = scores(keys) * scale
+        logits = scores(q_smem, keys) * scale
         ok = col_vec(idx_smem.at[t]) >= 0
         logits = jnp.where(lax.broadcast_in_dim(ok, logits.shape, [1]), logits, -jnp.inf)
         m_new = jnp.maximum(m, logits.max(axis=1))
@@ -226,20 +258,35 @@ def _body(q_ref, main_ref, extra_ref, idx_ref, sink_ref, o_ref, lse_ref, q_smem,
         lse_ref.at[b, s, heads][...] = m + jnp.log(l_)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+SMEM_BYTES = 232448  # H100 / H200: shared memory a CTA may take
+
+
+def smem_bytes(h: int, n_keys: int, slots: int = 2) -> int:
+    """The kernel's SMEM: Q, the key slots, the row list, the sink and Mosaic GPU's reduction scratch (2 KB),
+    each aligned to 1 KB as Mosaic GPU places them. At H = 512 two slots fill it: Q 64 KB + 2 x 64 KB."""
+    def kb(n):
+        return -(-n // 1024) * 1024
+    return kb(HEADS * h * 2) + kb(slots * KEYS * h * 2) + kb(n_keys * 4) + kb(HEADS * 4) + 2048
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "slots"))
 def sparse_mqa(q: Float[Array, "B S N H"], main: Float[Array, "B T H"], extra: Float[Array, "B E H"],
-               idx: Int[Array, "B S L"], sink: Float[Array, "N"], scale: float, *, interpret: bool = False
-               ) -> tuple[Float[Array, "B S N H"], Float[Array, "B S N"]]:
+               idx: Int[Array, "B S L"], sink: Float[Array, "N"], scale: float, *, interpret: bool = False,
+               slots: int = 2) -> tuple[Float[Array, "B S N H"], Float[Array, "B S N"]]:
     """``reference.sparse_mqa`` over the rows of ``main`` then ``extra`` (``layout.key_rows``) as a Mosaic GPU
     kernel. N is padded to a multiple of 64 heads (zero queries, sliced off), L must be a multiple of 64,
-    H a multiple of 64 up to 512; q and the keys bf16 or f16 when compiled."""
+    H a multiple of 64 up to 512; q and the keys bf16 or f16 when compiled. ``slots`` key tiles in SMEM
+    (``slots − 1`` gathers in flight; more than 2 fit only below H = 512)."""
     b, s, n, h = q.shape
     L = idx.shape[-1]
     if (L % KEYS or h % TILE[1] or h > 2 * MAX_CHUNK or idx.shape[:2] != (b, s)
-            or main.shape[::2] != (b, h) or extra.shape[::2] != (b, h)):
+            or main.shape[::2] != (b, h) or extra.shape[::2] != (b, h) or not 2 <= slots <= 3):
         raise ValueError(f"sparse_mqa kernel: q {q.shape}, keys {main.shape} + {extra.shape}, idx {idx.shape}: "
                          f"needs L a multiple of {KEYS}, H a multiple of {TILE[1]} up to {2 * MAX_CHUNK}, and "
-                         "matching B, S, H")
+                         f"matching B, S, H; 2 or 3 key slots (got {slots})")
+    if smem_bytes(h, L, slots) > SMEM_BYTES:
+        raise ValueError(f"sparse_mqa kernel: {slots} key slots of {KEYS} x {h} and a row list of {L} need "
+                         f"{smem_bytes(h, L, slots)} bytes of SMEM, more than a CTA has ({SMEM_BYTES})")
     if not interpret and q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"sparse_mqa kernel: q must be bf16 or f16 on the GPU, got {q.dtype}")
     npad = -n % HEADS
@@ -249,13 +296,13 @@ def sparse_mqa(q: Float[Array, "B S N H"], main: Float[Array, "B T H"], extra: F
     n_wg = h // chunk
     tf = _smem_transforms(interpret)
     kw = dict(interpret=ms.interpret_params()) if interpret else {}
+    scratch = [plgpu.SMEM((HEADS, h), q.dtype, transforms=tf), plgpu.SMEM((slots, KEYS, h), q.dtype, transforms=tf),
+               plgpu.SMEM((L // KEYS, KEYS), jnp.int32), plgpu.SMEM((HEADS,), jnp.float32),
+               plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=n_wg)]
     kernel = plgpu.kernel(
-        functools.partial(_body, scale=scale, n_wg=n_wg, chunk=chunk, interpret=interpret),
+        functools.partial(_body, scale=scale, n_wg=n_wg, chunk=chunk, slots=slots, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct(qp.shape, q.dtype), jax.ShapeDtypeStruct(qp.shape[:3], jnp.float32)),
-        scratch_types=[plgpu.SMEM((HEADS, h), q.dtype, transforms=tf),
-                       plgpu.SMEM((2, KEYS, h), q.dtype, transforms=tf),
-                       plgpu.SMEM((L // KEYS, KEYS), jnp.int32), plgpu.SMEM((HEADS,), jnp.float32),
-                       plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=n_wg)],
+        scratch_types=scratch,
         grid=(b * s, (n + npad) // HEADS), grid_names=("q", "g"), num_threads=n_wg, thread_name="wg", **kw)
     idx = idx.astype(jnp.int32).reshape(b, s, L // KEYS, KEYS)
     out, lse = kernel(qp, main.astype(q.dtype), extra.astype(q.dtype), idx, sinkp)

@@ -82,14 +82,14 @@ def _grads(fn, x, main, extra, idx, g):
     return jax.grad(loss, (0, 1, 2, 3))(x["q"], main, extra, x["sink"])
 
 
-@pytest.mark.parametrize("b, h, case", [(2, 128, 5), (1, 512, 3)])
-def test_interpreted_kernel_and_gradient_equal_the_reference(b, h, case):
-    """h=512 runs two warpgroups a CTA (each half of the output lanes), h=128 one; 4 heads are padded to 64;
-    40 picks + 2 window rows (+ 8 ring slots) make two key tiles."""
+@pytest.mark.parametrize("b, h, case, slots", [(2, 128, 5, 3), (1, 512, 3, 2)])
+def test_interpreted_kernel_and_gradient_equal_the_reference(b, h, case, slots):
+    """h=512 runs two warpgroups a CTA (each half of the output lanes), h=128 one (with two gathers in flight:
+    three key slots); 4 heads are padded to 64; 40 picks + 2 window rows (+ 8 ring slots) make two key tiles."""
     x = _inputs(b=b, s=2, n=4, h=h, k=40)
     main, extra, idx = _rows(x, _cases(x)[case][1])
     scale = h ** -0.5
-    got, lse = mosaic.sparse_mqa(x["q"], main, extra, idx, x["sink"], scale, interpret=True)
+    got, lse = mosaic.sparse_mqa(x["q"], main, extra, idx, x["sink"], scale, interpret=True, slots=slots)
     want, wlse = reference.sparse_mqa(x["q"], main, extra, idx, x["sink"], scale)
     np.testing.assert_allclose(got, want, atol=2e-6)
     np.testing.assert_allclose(lse, wlse, atol=2e-6)
@@ -106,6 +106,9 @@ def test_kernel_refuses_bad_shapes():
     main, extra, idx = _rows(x, {})
     with pytest.raises(ValueError, match="multiple of 64"):
         mosaic.sparse_mqa(x["q"], main, extra, idx[..., :10], x["sink"], 0.1, interpret=True)
+    big = jnp.zeros((1, 1, 64, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="bytes of SMEM"):  # three 64 x 512 key slots and Q: 256 KB
+        mosaic.sparse_mqa(big, big[:, 0], big[:, 0], jnp.zeros((1, 1, 64), jnp.int32), jnp.zeros(64), 0.1, slots=3)
     with pytest.raises(ValueError, match="backend must be one of"):
         api.sparse_attention(x["q"], x["wkv"], x["sink"], W, backend="triton")
 

@@ -2,13 +2,14 @@
 names; :class:`~dsv41_jax.model.attention.Attention` calls it, once.
 
 ``backend="xla"`` is the reference, :func:`dsv41_jax.model.sparse.sparse_attention`. ``backend="pallas"`` on a
-GPU rewrites the arguments into one key array and a row list per query (``layout.key_rows``) and runs the
+GPU rewrites the arguments into two key arrays and a row list per query (``layout.key_rows``) and runs the
 Mosaic GPU kernel (``mosaic.sparse_mqa``) forward; its gradient (:func:`sparse_mqa`'s VJP) is computed in XLA
 from the kernel's log-sum-exp, without a second softmax pass: dQ, dKV summed into the key rows in fp32 (an
 entry is read by many queries), and the sink's gradient. Where the kernel does not apply it falls back to the
 reference: the indexer's probability mass (``return_mass``), head dims the kernel does not take (a multiple
-of 64 up to 512), fp32 activations, calls too small to fill the GPU (``MIN_CTAS``), and platforms other than
-the GPU (a Mosaic TPU version is not written yet).
+of 64 up to 512), fp32 activations and calls too small to fill the GPU (``MIN_CTAS``); and the CPU. On TPU
+``backend="pallas"`` runs ``tpu.sparse_mqa`` (Mosaic TPU; numerics checked in the interpreter, not yet run on
+a TPU) with the same backward.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from dsv41_jax.model import sparse as xla
-from pallas_kernels.sparse_attention import layout, mosaic
+from pallas_kernels.sparse_attention import layout, mosaic, tpu
 
 BACKENDS = ("xla", "pallas")
 
@@ -53,7 +54,7 @@ def sparse_attention(
         raise ValueError("sparse_attention: key_floor (document starts of a training row) cannot be combined "
                          "with prefix_kv (a cache prefix)")
     main, extra, idx = layout.key_rows(window_kv, window, compressed_kv, topk, replay_start, dtype=q.dtype, **kw)
-    return sparse_mqa(q, main, extra, idx, sink, q.shape[-1] ** -0.5)
+    return sparse_mqa(q, main, extra, idx, sink, q.shape[-1] ** -0.5, False, jax.default_backend())
 
 
 # The kernel runs a CTA per query and group of 64 heads: below this many the GPU is mostly idle, and on the
@@ -63,31 +64,37 @@ MIN_CTAS = 64
 
 
 def kernel_applies(q: jax.Array) -> bool:
-    """Whether the Mosaic GPU kernel takes this query (platform, dtype, head dim) and is the faster path
-    (at least ``MIN_CTAS`` CTAs of work)."""
+    """Whether a kernel takes this query: on TPU the Mosaic TPU kernel always; on GPU the Mosaic GPU kernel for
+    its dtypes and head dims where it is the faster path (at least ``MIN_CTAS`` CTAs of work)."""
     b, s, n, h = q.shape
+    if jax.default_backend() == "tpu":
+        return True
     return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
             and h % mosaic.TILE[1] == 0 and h <= 2 * mosaic.MAX_CHUNK
             and b * s * -(-n // mosaic.HEADS) >= MIN_CTAS)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+_KERNELS = {"gpu": mosaic.sparse_mqa, "tpu": tpu.sparse_mqa}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def sparse_mqa(q: Float[Array, "B S N H"], main: Float[Array, "B T H"], extra: Float[Array, "B E H"],
-               idx: Int[Array, "B S L"], sink: Float[Array, "N"], scale: float, interpret: bool = False
-               ) -> Float[Array, "B S N H"]:
-    """The kernel's output (``reference.sparse_mqa`` without the log-sum-exp), differentiable."""
-    return mosaic.sparse_mqa(q, main, extra, idx, sink, scale, interpret=interpret)[0]
+               idx: Int[Array, "B S L"], sink: Float[Array, "N"], scale: float, interpret: bool = False,
+               platform: str = "gpu") -> Float[Array, "B S N H"]:
+    """The output of ``platform``'s kernel (``reference.sparse_mqa`` without the log-sum-exp), differentiable;
+    ``interpret`` runs it in the Pallas interpreter (CPU tests)."""
+    return _KERNELS[platform](q, main, extra, idx, sink, scale, interpret=interpret)[0]
 
 
-def _fwd(q, main, extra, idx, sink, scale, interpret):
-    out, lse = mosaic.sparse_mqa(q, main, extra, idx, sink, scale, interpret=interpret)
+def _fwd(q, main, extra, idx, sink, scale, interpret, platform):
+    out, lse = _KERNELS[platform](q, main, extra, idx, sink, scale, interpret=interpret)
     return out, (q, main, extra, idx, sink, lse)
 
 
-def _bwd(scale, interpret, res, g):
+def _bwd(scale, interpret, platform, res, g):
     """Flash-attention backward over the row lists, from the forward's log-sum-exp (spec §3.6's softmax with
     the sink: p_sink = exp(sink − lse), and its value is zero, so d sink = −Σ p_sink · Σ_l p_l dp_l)."""
-    del interpret
+    del interpret, platform
     q, main, extra, idx, sink, lse = res
     dt = q.dtype
     t = main.shape[1]

@@ -1,12 +1,13 @@
-"""``pallas_kernels.sparse_attention``: the row-list form equals the model's attention, and the Mosaic GPU kernel
-and its gradient equal the row-list reference.
+"""``pallas_kernels.sparse_attention``: the row-list form equals the model's attention, and the kernels and their
+gradient equal the row-list reference.
 
 Without a GPU: ``layout.key_rows`` + ``reference.sparse_mqa`` against :func:`dsv41_jax.model.sparse.sparse_attention`
 on every kind of key (window edges, replay floors, documents, a ring prefix, top-k with −1 entries, picked rows,
-batch > 1), fp32 and tight; the kernel interpreted (both the one- and the two-warpgroup form) and its VJP
-against the reference's autodiff, fp32 (what differs is summation order: ~1e-6); and its lowering to Mosaic GPU
-for a cuda target. Marked gpu: the compiled kernel in bf16 against the fp32 reference, within the bound of the
-XLA path's own bf16 error (both round P to bf16 before P·V), and ``backend="pallas"`` equal to ``"xla"``.
+batch > 1), fp32 and tight; the kernels interpreted (Mosaic GPU's one- and two-warpgroup forms, Mosaic TPU)
+and their VJP against the reference's autodiff, fp32 (what differs is summation order: ~1e-6); and the GPU
+kernel's lowering to Mosaic GPU for a cuda target. Marked gpu: the compiled kernel in bf16 against the fp32
+reference, within the bound of the XLA path's own bf16 error (both round P to bf16 before P·V), and
+``backend="pallas"`` against ``"xla"``, forward and gradients.
 """
 
 from __future__ import annotations
@@ -77,28 +78,47 @@ def test_decode_lists_one_window_row():
     assert idx.shape[-1] == 64  # 12 picks + 1 window row + 8 ring slots, padded to one tile
 
 
-def _grads(fn, x, main, extra, idx, g):
-    loss = lambda q, m, e, s: (fn(q, m, e, idx, s) * g).sum()  # noqa: E731
-    return jax.grad(loss, (0, 1, 2, 3))(x["q"], main, extra, x["sink"])
-
-
-@pytest.mark.parametrize("b, h, case, slots", [(2, 128, 5, 3), (1, 512, 3, 2)])
-def test_interpreted_kernel_and_gradient_equal_the_reference(b, h, case, slots):
-    """h=512 runs two warpgroups a CTA (each half of the output lanes), h=128 one (with two gathers in flight:
-    three key slots); 4 heads are padded to 64; 40 picks + 2 window rows (+ 8 ring slots) make two key tiles."""
-    x = _inputs(b=b, s=2, n=4, h=h, k=40)
-    main, extra, idx = _rows(x, _cases(x)[case][1])
-    scale = h ** -0.5
-    got, lse = mosaic.sparse_mqa(x["q"], main, extra, idx, x["sink"], scale, interpret=True, slots=slots)
-    want, wlse = reference.sparse_mqa(x["q"], main, extra, idx, x["sink"], scale)
+def _check_kernel(x, main, extra, idx, scale: float, **kernel):
+    """One interpreted forward through ``api.sparse_mqa``'s VJP: its output and its gradients (which read the
+    kernel's log-sum-exp) against the reference and the reference's autodiff, fp32."""
+    args = (x["q"], main, extra, x["sink"])
+    got, vjp = jax.vjp(lambda q, m, e, s: api.sparse_mqa(q, m, e, idx, s, scale, True, **kernel), *args)
+    want, ref_vjp = jax.vjp(lambda q, m, e, s: reference.sparse_mqa(q, m, e, idx, s, scale)[0], *args)
     np.testing.assert_allclose(got, want, atol=2e-6)
-    np.testing.assert_allclose(lse, wlse, atol=2e-6)
     g = jnp.asarray(np.random.default_rng(1).standard_normal(x["q"].shape), jnp.float32)
-    kern = _grads(functools.partial(api.sparse_mqa, scale=scale, interpret=True), x, main, extra, idx, g)
-    ref = _grads(lambda *a: reference.sparse_mqa(*a, scale)[0], x, main, extra, idx, g)
-    for name, a, b in zip(("dq", "dmain", "dextra", "dsink"), kern, ref, strict=True):
+    for name, a, b in zip(("dq", "dmain", "dextra", "dsink"), vjp(g), ref_vjp(g), strict=True):
         rel = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
         assert rel < 1e-5, (name, rel)
+
+
+@pytest.mark.parametrize("b, h, case", [(2, 128, 5), (1, 512, 3)])
+def test_interpreted_kernel_and_gradient_equal_the_reference(b, h, case):
+    """h=512 runs two warpgroups a CTA (each half of the output lanes), h=128 one; 4 heads are padded to 64;
+    40 picks + 2 window rows (+ 8 ring slots) make two key tiles."""
+    x = _inputs(b=b, s=2, n=4, h=h, k=40)
+    main, extra, idx = _rows(x, _cases(x)[case][1])
+    _check_kernel(x, main, extra, idx, h ** -0.5, platform="gpu")
+
+
+def test_interpreted_kernel_with_three_slots():
+    """Two tile gathers in flight (three key slots) give the same output, to the bit."""
+    x = _inputs(b=1, s=1, n=4, h=64, k=150)
+    main, extra, idx = _rows(x, _cases(x)[2][1])
+    assert idx.shape[-1] == 192  # three tiles
+    args = (x["q"], main, extra, idx, x["sink"], 0.125)
+    two = mosaic.sparse_mqa(*args, interpret=True)
+    three = mosaic.sparse_mqa(*args, interpret=True, slots=3)
+    np.testing.assert_array_equal(np.asarray(three[0]), np.asarray(two[0]))
+    np.testing.assert_array_equal(np.asarray(three[1]), np.asarray(two[1]))
+
+
+def test_interpreted_tpu_kernel_and_gradient_equal_the_reference():
+    """The Mosaic TPU kernel (a grid step a query, all heads, one DMA a key row) on a ring + top-k + replay case
+    whose rows span two tiles, and the same VJP."""
+    x = _inputs(b=2, s=2, n=4, h=128, k=60)
+    main, extra, idx = _rows(x, _cases(x)[5][1])
+    assert idx.shape[-1] == 128
+    _check_kernel(x, main, extra, idx, 128 ** -0.5, platform="tpu")
 
 
 def test_kernel_refuses_bad_shapes():

@@ -1,0 +1,119 @@
+"""Sparse MQA forward on TPU through Mosaic TPU (``pltpu``); runs on CPU with ``interpret=True``.
+
+The same computation as ``mosaic.sparse_mqa`` (each query's heads against its own list of key rows, the sink
+in the denominator, log-sum-exp out), shaped for a TPU core: a grid step a query, all its heads at once. The
+key rows stay in HBM and are gathered a tile of 64 at a time by one DMA a row into a VMEM slot (two slots:
+the next tile's DMAs are in flight while this tile is computed); the row list is read twice, as scalars in
+SMEM (the DMA addresses) and as a vector in VMEM (the −∞ mask). Products on the MXU in fp32 accumulation,
+online softmax in fp32, P cast to the activation dtype before P·V, as ``reference.sparse_mqa``.
+
+Not yet run on TPU hardware: its numerics are the interpreter's (tests/kernels/test_sparse_attention.py), its
+speed unmeasured. One DMA descriptor a row (640 a query at the release geometry) is the open question there;
+TPU DMAs have no gather form in Pallas.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float, Int
+
+KEYS = 64  # key rows a tile
+
+
+def _kernel(idx_smem, idx_ref, q_ref, sink_ref, main_hbm, extra_hbm, o_ref, lse_ref, kbuf, sem, *,
+            scale: float, s_len: int, n_main: int):
+    i = pl.program_id(0)
+    b = i // s_len
+    n_tiles = idx_ref.shape[-1] // KEYS
+
+    def copies(t, slot):
+        """The DMA descriptors of tile t's rows (−1 entries read row 0 of ``main``; they are masked)."""
+        def row(r):
+            e = jnp.maximum(idx_smem[i, t * KEYS + r], 0)
+            from_main = pltpu.make_async_copy(main_hbm.at[b, pl.ds(jnp.minimum(e, n_main - 1), 1)],
+                                              kbuf.at[slot, pl.ds(r, 1)], sem.at[slot])
+            from_extra = pltpu.make_async_copy(extra_hbm.at[b, pl.ds(jnp.maximum(e - n_main, 0), 1)],
+                                               kbuf.at[slot, pl.ds(r, 1)], sem.at[slot])
+            return e < n_main, from_main, from_extra
+        return row
+
+    def start(t, slot):
+        row = copies(t, slot)
+
+        def one(r, carry):
+            in_main, from_main, from_extra = row(r)
+            pl.when(in_main)(from_main.start)
+            pl.when(jnp.logical_not(in_main))(from_extra.start)
+            return carry
+        lax.fori_loop(0, KEYS, one, 0)
+
+    def wait(slot):
+        def one(r, carry):  # every row copy has the same size: wait on one descriptor of that size a row
+            pltpu.make_async_copy(main_hbm.at[b, pl.ds(0, 1)], kbuf.at[slot, pl.ds(r, 1)], sem.at[slot]).wait()
+            return carry
+        lax.fori_loop(0, KEYS, one, 0)
+
+    q = q_ref[0]  # [N, H]
+    n = q.shape[0]
+    start(0, 0)
+
+    def step(t, carry):
+        o, m, l_ = carry
+        slot = lax.rem(t, 2)
+
+        @pl.when(t + 1 < n_tiles)
+        def _():
+            start(t + 1, 1 - slot)
+        wait(slot)
+        keys = kbuf[slot]  # [KEYS, H]
+        logits = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        ok = idx_ref[0, :, pl.ds(t * KEYS, KEYS)] >= 0  # [1, KEYS]
+        logits = jnp.where(ok, logits, -jnp.inf)
+        m_new = jnp.maximum(m, logits.max(axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(logits - m_new)
+        l_ = l_ * alpha + p.sum(axis=1, keepdims=True)
+        o = o * alpha + jnp.dot(p.astype(q.dtype), keys, preferred_element_type=jnp.float32)
+        return o, m_new, l_
+
+    m0 = sink_ref[...].astype(jnp.float32).reshape(n, 1)  # the sink starts the running max and denominator
+    init = (jnp.zeros(q.shape, jnp.float32), m0, jnp.ones((n, 1), jnp.float32))
+    o, m, l_ = lax.fori_loop(0, n_tiles, step, init)
+    o_ref[0] = (o / l_).astype(o_ref.dtype)
+    lse_ref[0] = (m + jnp.log(l_)).reshape(1, n)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def sparse_mqa(q: Float[Array, "B S N H"], main: Float[Array, "B T H"], extra: Float[Array, "B E H"],
+               idx: Int[Array, "B S L"], sink: Float[Array, "N"], scale: float, *, interpret: bool = False
+               ) -> tuple[Float[Array, "B S N H"], Float[Array, "B S N"]]:
+    """``reference.sparse_mqa`` as a Mosaic TPU kernel; L a multiple of 64 (``layout.key_rows`` pads it)."""
+    b, s, n, h = q.shape
+    L = idx.shape[-1]
+    if L % KEYS or idx.shape[:2] != (b, s) or main.shape[::2] != (b, h) or extra.shape[::2] != (b, h):
+        raise ValueError(f"sparse_mqa TPU kernel: q {q.shape}, keys {main.shape} + {extra.shape}, idx {idx.shape}: "
+                         f"needs L a multiple of {KEYS} and matching B, S, H")
+    rows = idx.astype(jnp.int32).reshape(b * s, L)
+    out, lse = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, s_len=s, n_main=main.shape[1]),
+        out_shape=(jax.ShapeDtypeStruct((b * s, n, h), q.dtype), jax.ShapeDtypeStruct((b * s, 1, n), jnp.float32)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(b * s,),
+            in_specs=[pl.BlockSpec((1, 1, L), lambda i, _: (i, 0, 0)),
+                      pl.BlockSpec((1, n, h), lambda i, _: (i, 0, 0)),
+                      pl.BlockSpec((1, n), lambda i, _: (0, 0)),
+                      pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=[pl.BlockSpec((1, n, h), lambda i, _: (i, 0, 0)),
+                       pl.BlockSpec((1, 1, n), lambda i, _: (i, 0, 0))],
+            scratch_shapes=[pltpu.VMEM((2, KEYS, h), q.dtype), pltpu.SemaphoreType.DMA((2,))]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+    )(rows, rows.reshape(b * s, 1, L), q.reshape(b * s, n, h), sink.astype(jnp.float32).reshape(1, n),
+      main.astype(q.dtype), extra.astype(q.dtype))
+    return out.reshape(b, s, n, h), lse.reshape(b, s, n)

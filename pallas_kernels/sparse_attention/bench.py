@@ -71,9 +71,10 @@ def check(b, s, t, n, h, **kw) -> None:
 
     ker = lambda *a: api.sparse_mqa(*a, scale)  # noqa: E731
     ref = lambda *a: reference.sparse_mqa(*a, scale)[0]  # noqa: E731
-    want = jax.jit(ref)(f32(q), f32(main), f32(extra), idx, sink)
-    dwant = grads(ref, f32(q), f32(main), f32(extra), sink)
-    _, wlse = jax.jit(reference.sparse_mqa, static_argnums=5)(f32(q), f32(main), f32(extra), idx, sink, scale)
+    with jax.default_matmul_precision("highest"):  # fp32 products on the GPU are TF32 by default
+        want = jax.jit(ref)(f32(q), f32(main), f32(extra), idx, sink)
+        dwant = grads(ref, f32(q), f32(main), f32(extra), sink)
+        _, wlse = jax.jit(reference.sparse_mqa, static_argnums=5)(f32(q), f32(main), f32(extra), idx, sink, scale)
     for name, fn in (("kernel", ker), ("xla_bf16", ref)):
         out = jax.jit(fn)(q, main, extra, idx, sink)
         d = grads(fn, q, main, extra, sink)

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from dsv41_jax import cli_args as A
+from dsv41_jax import compile_cache
 from dsv41_jax import config as C
 from dsv41_jax.checkpoint.plan import ConvertError
 
@@ -188,6 +189,8 @@ def _add_mesh(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in JAX")
     parser.add_argument("--version", action="version", version=f"dsv41-jax {_version()}")
+    parser.add_argument("--compile-cache", metavar="DIR|off", help="JAX's persistent compilation cache (default: "
+                        "$DSV41_COMPILE_CACHE, else ~/.cache/dsv41_jax/xla); off: none")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("topology", help="print the per-layer CSA2 topology of a config")
     p.add_argument("--config", default="v41_flash")
@@ -298,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     from dsv41_jax.train.guard import TrainingStopped
 
     args = build_parser().parse_args(argv)
+    compile_cache.enable(args.compile_cache)
     try:
         return args.fn(args)
     except (C.ConfigError, ConvertError) as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import jax
@@ -12,6 +13,9 @@ import pytest
 from dsv41_jax import config as C
 
 REPO = Path(__file__).resolve().parents[1]
+# the CLI turns JAX's persistent compilation cache on (~/.cache/dsv41_jax/xla); tests that call it in-process
+# leave the user's cache and this process's config alone (tests/test_compile_cache.py covers the cache)
+os.environ.setdefault("DSV41_COMPILE_CACHE", "off")
 from dsv41_jax.testing import GOLDEN  # noqa: E402
 
 

@@ -50,9 +50,6 @@ def sparse_attention(
     if backend == "xla" or return_mass or not kernel_applies(q):
         return xla.sparse_attention(q, window_kv, sink, window, compressed_kv, topk, replay_start,
                                     return_mass=return_mass, **kw)
-    if key_floor is not None and prefix_kv is not None:
-        raise ValueError("sparse_attention: key_floor (document starts of a training row) cannot be combined "
-                         "with prefix_kv (a cache prefix)")
     main, extra, idx = layout.key_rows(window_kv, window, compressed_kv, topk, replay_start, dtype=q.dtype, **kw)
     return sparse_mqa(q, main, extra, idx, sink, q.shape[-1] ** -0.5, False, jax.default_backend())
 

@@ -37,6 +37,9 @@ def key_rows(
     multiple: int = 64,
 ) -> tuple[Float[Array, "B T H"], Float[Array, "B E H"], Int[Array, "B S L"]]:
     """``(main, extra, idx)``: the keys (in ``dtype``) and each query's visible rows of ``main ++ extra``."""
+    if key_floor is not None and prefix_kv is not None:  # as the reference: documents belong to training rows
+        raise ValueError("key_rows: key_floor (document starts of a training row) cannot be combined with "
+                         "prefix_kv (a cache prefix)")
     b, s, h = window_kv.shape
     dtype = dtype or window_kv.dtype
     start = jnp.zeros((b,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)

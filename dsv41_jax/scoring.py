@@ -18,24 +18,38 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41_jax import cache as C
+from dsv41_jax.checkpoint.load import load_drafter
 from dsv41_jax.engine.mesh import load_for_serving
+from dsv41_jax.engine.step import ChunkOptions, forward_chunk
 from dsv41_jax.engram_hash import EngramHasher
 from dsv41_jax.model import Transformer
+from dsv41_jax.model.dspark import DSpark, init_draft_cache
 from dsv41_jax.model.indexer import block_mask
 from dsv41_jax.model.moe import expert_parallel
 from dsv41_jax.sharding import named_shardings, state_partition_specs
 
+DECODE_ARRAYS = ("_decode_input_ids", "_decode_next_ids")
 
-def score_inputs(model: Transformer, hasher: EngramHasher, inputs, mesh: jax.sharding.Mesh | None = None
-                 ) -> dict[str, np.ndarray]:
+
+def score_inputs(model: Transformer, hasher: EngramHasher, inputs, mesh: jax.sharding.Mesh | None = None,
+                 drafter: DSpark | None = None) -> dict[str, np.ndarray]:
     """Every ``<tag>_ids`` array of ``inputs`` (an npz) through :func:`prefill_outputs`, golden-named; per-layer
-    detail for the first tag only, as the reference dumps. Raises ``ValueError`` when there is no such array."""
-    tags = [k.removesuffix("_ids") for k in inputs.files if k.endswith("_ids")]
+    detail for the first tag only, as the reference dumps. A tag that also has ``<tag>_decode_input_ids`` and
+    ``<tag>_decode_next_ids`` runs the decode protocol too (:func:`decode_outputs`, with the ``drafter`` where
+    given). Raises ``ValueError`` when there is no ``<tag>_ids`` array."""
+    tags = [k.removesuffix("_ids") for k in inputs.files if k.endswith("_ids") and not k.endswith(DECODE_ARRAYS)]
     if not tags:
         raise ValueError("no '<tag>_ids' arrays found")
     ours: dict[str, np.ndarray] = {}
     for tag in tags:
         ours |= prefill_outputs(model, hasher, inputs[f"{tag}_ids"], tag, layers_detail=tag == tags[0], mesh=mesh)
+        decode = [f"{tag}{suffix}" for suffix in DECODE_ARRAYS]
+        if any(k in inputs.files for k in decode):
+            if not all(k in inputs.files for k in decode):
+                raise ValueError(f"the decode protocol of {tag!r} needs both {decode[0]} and {decode[1]}")
+            ours |= decode_outputs(model, hasher, drafter, inputs[f"{tag}_ids"], inputs[decode[0]], inputs[decode[1]],
+                                   tag)
     return ours
 
 
@@ -75,6 +89,73 @@ def prefill_outputs(model: Transformer, hasher: EngramHasher, ids: np.ndarray, t
             out[f"{p}_compressed_kv_{layer}"] = np.asarray(aux.shared[layer].kv.main[0], np.float32)
             out[f"{p}_index_k_{layer}"] = np.asarray(aux.shared[layer].kv.index[0], np.float32)
     return out
+
+
+def decode_outputs(model: Transformer, hasher: EngramHasher, drafter: DSpark | None, ids: np.ndarray,
+                   decode_input_ids: np.ndarray, decode_next_ids: np.ndarray, tag: str,
+                   prefill_chunk: int | None = None) -> dict[str, np.ndarray]:
+    """The golden decode protocol (golden README §2, §6) through the engine's packed cache: prefill ``ids``
+    from position 0 (in chunks of ``prefill_chunk`` tokens, default one chunk), then feed
+    ``decode_input_ids[:, i]`` at position S+i, teacher-forced; after each step the drafter (when given) drafts
+    with ``decode_next_ids[:, i]`` as the anchor. Golden-named arrays: ``<tag>_decode_logits`` /
+    ``_decode_topk`` / ``_decode_engram_row_ids`` and ``<tag>_dspark_draft_ids`` / ``_dspark_logits`` /
+    ``_dspark_confidence``."""
+    cfg = model.cfg
+    a = cfg.attention
+    ids, fed, anchors = (np.asarray(x, np.int64) for x in (ids, decode_input_ids, decode_next_ids))
+    if fed.ndim != 2 or fed.shape != anchors.shape or fed.shape[0] != ids.shape[0]:
+        raise ValueError(f"{tag}: decode_input_ids {fed.shape} and decode_next_ids {anchors.shape} must both be "
+                         f"[B, n] with B = {ids.shape[0]} as the prompt ids")
+    b, s = ids.shape
+    n = fed.shape[1]
+    ratio = max((a.compress_ratios[layer] for layer in a.kv_source_layers), default=1)
+    cache = C.init_cache(cfg, b, -(-(s + n) // ratio) * ratio)
+    graphdef, state = nnx.split(model)
+    dgraph, dstate = nnx.split(drafter) if drafter is not None else (None, None)
+    options = ChunkOptions(return_selections=True, main_hidden=True)
+
+    @jax.jit
+    def step(state, dstate, cache, dcache, tokens, rows, n_new, anchor):
+        m = nnx.merge(graphdef, state)
+        logits, cache, sel, feats = forward_chunk(m, cache, tokens, rows, n_new, options=options)
+        if dstate is None:
+            return logits, cache, sel, dcache, None
+        d = nnx.merge(dgraph, dstate)
+        dcache = d.observe(dcache, feats.main_hidden, feats.pos, feats.valid)
+        return logits, cache, sel, dcache, d.propose(m, dcache, anchor)
+
+    rows, history = hasher.row_ids(ids)
+    dcache = init_draft_cache(cfg, b) if drafter is not None else None
+    chunk = prefill_chunk or s
+    for lo in range(0, s, chunk):  # prefill: the drafts of these calls are not used
+        k = min(chunk, s - lo)
+        tokens, r = (jnp.asarray(_pad_rows(x[:, lo: lo + k], chunk), jnp.int32) for x in (ids, rows))
+        _, cache, _, dcache, _ = step(state, dstate, cache, dcache, tokens, r, jnp.full((b,), k, jnp.int32),
+                                      jnp.zeros((b,), jnp.int32))
+    logits, topk, engram, drafts = [], [], [], []
+    for i in range(n):
+        r, history = hasher.row_ids(fed[:, i: i + 1], None, history)
+        # padded to the prefill chunk: one compiled step serves prefill and decode
+        width = chunk if prefill_chunk else 1
+        tokens, rr = (jnp.asarray(_pad_rows(x, width), jnp.int32) for x in (fed[:, i: i + 1], r))
+        lg, cache, sel, dcache, draft = step(state, dstate, cache, dcache, tokens, rr, jnp.ones((b,), jnp.int32),
+                                             jnp.asarray(anchors[:, i], jnp.int32))
+        logits.append(np.asarray(lg, np.float32))
+        topk.append(np.stack([np.asarray(sel[layer])[:, 0] for layer in a.index_source_layers], 1))
+        engram.append(r[:, 0])
+        drafts.append(draft)
+    out = {f"{tag}_decode_logits": np.stack(logits, 1), f"{tag}_decode_topk": np.stack(topk, 1).astype(np.int16),
+           f"{tag}_decode_engram_row_ids": np.stack(engram, 1).astype(np.int64)}
+    if drafter is not None:
+        out[f"{tag}_dspark_draft_ids"] = np.stack([np.asarray(d.ids) for d in drafts], 1).astype(np.int64)
+        out[f"{tag}_dspark_logits"] = np.stack([np.asarray(d.logits, np.float32) for d in drafts], 1)
+        out[f"{tag}_dspark_confidence"] = np.stack([np.asarray(d.confidence, np.float32) for d in drafts], 1)
+    return out
+
+
+def _pad_rows(x: np.ndarray, length: int) -> np.ndarray:
+    """``x`` [B, S, ...] zero-padded to ``length`` along S."""
+    return np.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
 def row_rel_l2(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -129,8 +210,9 @@ def score(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.PathLike | 
           ) -> dict[str, np.ndarray]:
     """Run an Orbax (``ckpt``) or release-format (``hf_dir``) checkpoint on token ids: ``dsv41 score``.
 
-    ``inputs``: an npz of ``<tag>_ids`` arrays; every golden-named output (:func:`score_inputs`) is written to
-    ``out`` and compared with ``reference`` where given. ``ids``: an npy of token ids [B, S]; the
+    ``inputs``: an npz of ``<tag>_ids`` arrays (and, for the decode protocol and the DSpark drafts,
+    ``<tag>_decode_input_ids`` / ``<tag>_decode_next_ids``); every golden-named output (:func:`score_inputs`) is
+    written to ``out`` and compared with ``reference`` where given. ``ids``: an npy of token ids [B, S]; the
     teacher-forced float32 logits [B, S, V] are written to ``out`` (default ``logits.npy``). Returns what it
     wrote; a file that cannot be scored is a :class:`ScoreInputError`.
     """
@@ -148,8 +230,12 @@ def score(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.PathLike | 
         np.save(out or "logits.npy", logits)
         print(f"wrote logits {logits.shape} to {out or 'logits.npy'}")
         return {"logits": logits}
+    arrays = np.load(inputs)
+    drafter = None
+    if any(k.endswith(DECODE_ARRAYS[0]) for k in arrays.files) and model.cfg.dspark.n_layers:
+        drafter = load_drafter(model.cfg, ckpt=ckpt, hf_dir=hf_dir)
     try:
-        ours = score_inputs(model, hasher, np.load(inputs), mesh=on)
+        ours = score_inputs(model, hasher, arrays, mesh=on, drafter=drafter)
     except ValueError as err:
         raise ScoreInputError(f"{inputs}: {err}") from None
     save_and_report(ours, out, reference, as_json)

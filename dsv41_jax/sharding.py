@@ -50,6 +50,9 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "engram_table": ("engram_rows", "engram_cols"),  # rows first; columns take the mesh axes rows leave
     "engram_proj": ("embed", None),  # engram.wkv: [(M+1)·D, C·H]
     "engram_qk": (None, "embed"),
+    "main_proj": ("embed", None),  # DSpark mtp.0.main_proj: [D, targets·D]
+    "markov": ("vocab", None),  # DSpark Markov head embed / head: [V, r]
+    "confidence": (None, None),  # DSpark confidence head: [1, D + r]
 }
 
 # logical axis -> mesh axis (or tuple of mesh axes); absent means replicated

@@ -20,6 +20,7 @@ from dsv41_jax.checkpoint.quiet import quiet_orbax_errors, reason
 from dsv41_jax.checkpoint.store import restore_arrays, stored_arrays
 from dsv41_jax.checkpoint.tree import NON_BACKBONE_PREFIXES, assign, flat_variables
 from dsv41_jax.engram_hash import EngramHasher, build_token_map, check_token_map
+from dsv41_jax.model.dspark import DSpark, abstract_drafter
 from dsv41_jax.model.transformer import Transformer, abstract_model
 from dsv41_jax.sharding import state_partition_specs
 
@@ -29,14 +30,56 @@ def model_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32", param_dt
     """The text backbone with the checkpoint's weights, and the Engram hasher of its ``tokenizer.json``."""
     hf_dir = Path(hf_dir)
     cfg = C.from_hf(hf_dir).replace(dtype=dtype, param_dtype=param_dtype)
-    model = abstract_model(cfg)
-    arrays = load_hf_params(hf_dir, include=lambda name: not name.startswith(NON_BACKBONE_PREFIXES))
-    for var in jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, nnx.Variable)):
-        var.set_value(np.zeros(var.shape, var.dtype))  # concrete placeholders, overwritten by assign
-    assign(model, arrays)
+    model = _placeholder(abstract_model(cfg))
+    assign(model, load_hf_params(hf_dir, include=lambda name: not name.startswith(NON_BACKBONE_PREFIXES)))
     token_map = build_token_map(hf_dir / "tokenizer.json")
     check_token_map(token_map, cfg.engram)
     return model, EngramHasher(cfg.engram, token_map)
+
+
+def drafter_from_hf(hf_dir: str | os.PathLike, cfg: C.ModelConfig) -> DSpark:
+    """The DSpark drafter (``mtp.*``) of a release-format directory, for the backbone config ``cfg``."""
+    drafter = _placeholder(abstract_drafter(cfg))
+    assign(drafter, load_hf_params(hf_dir, include=lambda name: name.startswith("mtp.")), ignore_prefixes=())
+    return drafter
+
+
+def drafter_from_orbax(ckpt_dir: str | os.PathLike, cfg: C.ModelConfig) -> DSpark:
+    """The DSpark drafter (``mtp.*``) of a converted checkpoint, for the config the backbone was restored with."""
+    from dsv41_jax.checkpoint.convert import read_manifest
+
+    ckpt_dir = Path(ckpt_dir)
+    params_dir = ckpt_dir / read_manifest(ckpt_dir)["params"]
+    drafter = abstract_drafter(cfg)
+    variables = flat_variables(drafter)
+    _check_stored(ckpt_dir, variables, stored_arrays(params_dir))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    arrays = restore_arrays(params_dir, {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one)
+                                         for n, v in variables.items()})
+    for name, var in variables.items():
+        var.set_value(arrays[name])
+    return drafter
+
+
+def load_drafter(cfg: C.ModelConfig, *, ckpt: str | os.PathLike | None = None,
+                 hf_dir: str | os.PathLike | None = None) -> DSpark:
+    """The DSpark drafter stored beside the backbone in a converted checkpoint or a release-format directory."""
+    if (ckpt is None) == (hf_dir is None):
+        raise ValueError("load_drafter: give exactly one of ckpt, hf_dir (a training run holds no drafter)")
+    try:
+        return drafter_from_orbax(ckpt, cfg) if ckpt is not None else drafter_from_hf(hf_dir, cfg)
+    except (C.ConfigError, TypeError, AttributeError, NameError, AssertionError):
+        raise
+    except Exception as err:
+        where = f"--ckpt {ckpt}" if ckpt is not None else f"--hf-dir {hf_dir}"
+        raise CheckpointUnreadable(f"{where}: cannot load the DSpark drafter (mtp.*): {reason(err)}") from err
+
+
+def _placeholder(module: nnx.Module) -> nnx.Module:
+    """An abstract module with concrete zero leaves, to be overwritten by :func:`assign`."""
+    for var in jax.tree.leaves(nnx.state(module), is_leaf=lambda v: isinstance(v, nnx.Variable)):
+        var.set_value(np.zeros(var.shape, var.dtype))
+    return module
 
 
 def _shardings(model: Transformer, mesh: jax.sharding.Mesh | None) -> dict[str, jax.sharding.Sharding]:

@@ -34,6 +34,20 @@ class ChunkOptions(NamedTuple):
     # a CED prefill chunk that is not the last: layers from here on are skipped (their SWA state comes from
     # the last chunk's narrowed rows) and no logits are produced
     skip_from: int | None = None
+    # also return the DSpark target features of the rows the target layers ran on, with their positions and
+    # validity (a :class:`Features`), for the drafter's rings
+    main_hidden: bool = False
+    # also return each ratio-2 KV source's per-row compressor carry {layer: (c, z) [B, S, H]} (the rollback of
+    # a speculative verify chunk, dsv41_jax.engine.speculative)
+    row_carries: bool = False
+
+
+class Features(NamedTuple):
+    """DSpark target features of a chunk's rows (under CED: the narrowed rows)."""
+
+    main_hidden: Float[Array, "B S F"]
+    pos: Int[Array, "B S"]
+    valid: Bool[Array, "B S"]
 
 
 def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"], engram_rows: Int[Array, "B S L G"],
@@ -43,7 +57,9 @@ def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"],
     """Run ``tokens[b, :n_new[b]]`` at positions ``cache.lengths[b] + i``; returns logits and the new cache.
 
     Logits are fp32, of each sequence's last valid row ``[B, V]`` (or of every row ``[B, S', V]`` with
-    ``options.all_logits``; under CED only the kept rows exist after the cut).
+    ``options.all_logits``; under CED only the kept rows exist after the cut). ``options.return_selections``,
+    ``options.main_hidden`` and ``options.row_carries`` append the selections, the :class:`Features` and the
+    per-row carries, in that order.
     """
     cfg = model.cfg
     o = ChunkOptions() if options is None else options
@@ -51,19 +67,25 @@ def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"],
     zeros = jnp.zeros((b,), jnp.int32)
     pos = cache.lengths[:, None] + jnp.arange(s)[None]
     vis = Visibility(pos, zeros if replay_start is None else replay_start, valid=jnp.arange(s)[None] < n_new[:, None])
-    shared = Shared(C.PackedKV.of(cfg, cache, n_new, write_floor))
+    shared = Shared(C.PackedKV.of(cfg, cache, n_new, write_floor, keep_row_carries=o.row_carries))
     schedule = Schedule(stop=o.skip_from, narrow=o.ced_cut, truncate_narrowed=o.truncate, truncate=o.truncate_from)
     last_window = cache.lengths + n_new - cfg.attention.window_size  # the oracle's floor (truncate_from)
     x, pre = model.streams(model.embed_tokens(tokens))
     x, pre, shared, vis, trace = model.run_layers(x, pre, shared, vis, engram_rows=engram_rows, is_image=is_image,
-                                                  schedule=schedule, floor=last_window)
+                                                  schedule=schedule, floor=last_window,
+                                                  collect=o.main_hidden)  # what is not returned is not computed
     new_cache = shared.kv.cache()
     if o.skip_from is not None:
         return None, new_cache
     logits = model.logits(x, pre, None if o.all_logits else jnp.maximum(vis.valid.sum(-1) - 1, 0))
+    out = (logits, new_cache)
     if o.return_selections:
-        return logits, new_cache, trace.selections
-    return logits, new_cache
+        out += (trace.selections,)
+    if o.main_hidden:
+        out += (Features(jnp.concatenate(trace.targets, axis=-1), vis.pos, vis.valid),)
+    if o.row_carries:
+        out += (shared.kv.row_carries,)
+    return out
 
 
 def decode_step(model: Transformer, cache: C.Cache, tokens: Int[Array, "B"], engram_rows: Array):

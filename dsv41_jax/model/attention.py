@@ -189,7 +189,7 @@ class Attention(nnx.Module):
         out = sparse_api.sparse_attention(
             q, window_kv, self.attn_sink[...], self.cfg.window_size, compressed_kv, topk, vis.floor, start=vis.start,
             prefix_kv=prefix_kv, prefix_pos=prefix_pos, picked=picked, key_floor=vis.key_floor,
-            return_mass=with_mass, backend=self.cfg.kernel_backend)
+            return_mass=with_mass, causal=spec.part != "draft", backend=self.cfg.kernel_backend)
         return out if with_mass else (out, None)
 
     def _indexer_stats(self, target: str, q, window_kv, shared: Shared, vis: Visibility, scores, topk_mass

@@ -54,6 +54,7 @@ def sparse_attention(
     picked: Float[Array, "B S K H"] | None = None,
     key_floor: Int[Array, "B S"] | None = None,
     return_mass: bool = False,
+    causal: bool = True,
 ) -> Float[Array, "B S N H"] | tuple[Float[Array, "B S N H"], Float[Array, "B S K"]]:
     """Attention of a chunk of consecutive query positions to its window and its selected compressed entries.
 
@@ -69,17 +70,21 @@ def sparse_attention(
     first token of its document, so the window never reaches into the previous document. With
     ``return_mass`` the result is ``(out, mass)``, ``mass[i, k] = Σ_h P_h(topk[i, k])`` the probability each
     selected entry got, summed over heads, without gradient (the indexer's sparse-stage target).
+
+    ``causal=False`` is a DSpark draft block (spec model §8.3): every row sees every row of the chunk, and
+    the ``prefix_kv`` keys the position before the chunk (``start − 1``) sees; the chunk is one block.
     """
     if key_floor is not None and prefix_kv is not None:
         raise ValueError("sparse_attention: key_floor (document starts of a training row) cannot be combined "
                          "with prefix_kv (a cache prefix)")
     b, s, n, h = q.shape
     dt = q.dtype
-    qc, parts, nc, blk = _window_parts(q, window_kv, window, replay_start, start, key_floor)
+    qc, parts, nc, blk = _window_parts(q, window_kv, window, replay_start, start, key_floor, causal)
     if prefix_kv is not None:
         start = jnp.zeros((b,), jnp.int32) if start is None else start
         floor = jnp.broadcast_to(jnp.asarray(replay_start, jnp.int32), (b,))  # absolute replay start
-        qpos = start[:, None] + jnp.arange(nc * blk)[None]  # [B, S']
+        rows = jnp.arange(nc * blk)[None] if causal else jnp.full((1, nc * blk), -1)  # a block: as start − 1
+        qpos = start[:, None] + rows  # [B, S']
         kp = prefix_pos[:, None, :]
         mask = (kp >= 0) & (kp > qpos[..., None] - window) & (kp >= floor[:, None, None])
         mask = mask.reshape(b, nc, blk, 1, -1)
@@ -151,20 +156,22 @@ def entry_mass(
     return _head_mass(parts[-1][0], mx, den, s)
 
 
-def _window_parts(q, window_kv, window: int, replay_start, start, key_floor):
-    """Queries in blocks of W against their own and the previous block: ``(qc, [(logits, pv)], nc, blk)``."""
+def _window_parts(q, window_kv, window: int, replay_start, start, key_floor, causal: bool = True):
+    """Queries in blocks of W against their own and the previous block: ``(qc, [(logits, pv)], nc, blk)``;
+    not ``causal``: one block whose rows all see each other."""
     b, s, n, h = q.shape
     start = jnp.zeros((b,), jnp.int32) if start is None else start
     floor = jnp.broadcast_to(jnp.asarray(replay_start, jnp.int32), (b,)) - start  # chunk-local replay start
     # blocks of W queries see their own and the previous block; a chunk no longer than W (e.g. a decode
     # step) is one block of its own length, so nothing is padded to W
-    blk = window if s > window else s
+    blk = window if s > window and causal else s
     nc = -(-s // blk)
     qc = _pad_seq(q, nc * blk).reshape(b, nc, blk, n, h)
     kv = _pad_seq(window_kv, nc * blk).reshape(b, nc, blk, h)
     band = kv if nc == 1 else jnp.concatenate([jnp.pad(kv[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0))), kv], axis=2)
     kloc = _band_keys(nc, blk)  # [Q, T] chunk-local
-    band_mask = _band_mask(nc, blk, window)[None] & (kloc[None, :, None, :] >= floor[:, None, None, None])
+    within = _band_mask(nc, blk, window) if causal else jnp.ones((1, blk, blk), bool)
+    band_mask = within[None] & (kloc[None, :, None, :] >= floor[:, None, None, None])
     if key_floor is not None:  # [B, Q, blk, T]: keys before the query's document start are invisible
         band_mask = band_mask & (kloc[None, :, None, :] >= _pad_seq(key_floor, nc * blk).reshape(b, nc, blk, 1))
     parts = [(_logits("bqsnh,bqth->bqsnt", qc, band, h ** -0.5, band_mask[:, :, :, None, :]),

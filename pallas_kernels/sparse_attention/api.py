@@ -41,15 +41,16 @@ def sparse_attention(
     picked: Float[Array, "B S K H"] | None = None,
     key_floor: Int[Array, "B S"] | None = None,
     return_mass: bool = False,
+    causal: bool = True,
     backend: str = "xla",
 ):
     """:func:`dsv41_jax.model.sparse.sparse_attention` (same arguments and result) on ``backend``."""
     if backend not in BACKENDS:
         raise ValueError(f"sparse_attention: backend must be one of {BACKENDS}, got {backend!r}")
     kw = dict(start=start, prefix_kv=prefix_kv, prefix_pos=prefix_pos, picked=picked, key_floor=key_floor)
-    if backend == "xla" or return_mass or not kernel_applies(q):
+    if backend == "xla" or return_mass or not causal or not kernel_applies(q):  # draft blocks: XLA (5 rows)
         return xla.sparse_attention(q, window_kv, sink, window, compressed_kv, topk, replay_start,
-                                    return_mass=return_mass, **kw)
+                                    return_mass=return_mass, causal=causal, **kw)
     main, extra, idx = layout.key_rows(window_kv, window, compressed_kv, topk, replay_start, dtype=q.dtype, **kw)
     return sparse_mqa(q, main, extra, idx, sink, q.shape[-1] ** -0.5, False, jax.default_backend())
 

@@ -213,13 +213,18 @@ class PackedKV:
     rings: tuple[RingCache, ...]  # by layer
     sources: dict[int, SourceCache]  # by KV-source layer
     backend: str = field(default="xla", metadata=dict(static=True))  # attention.kernel_backend
+    # ratio-2 sources: the compressor's (c, z) of every row of the chunk [B, S, H], kept when asked for: the
+    # carry after any prefix of the chunk (speculative decoding's rollback, dsv41_jax.engine.speculative)
+    row_carries: dict[int, tuple[Array, Array]] | None = None
 
     @classmethod
-    def of(cls, cfg: ModelConfig, cache: Cache, n_new: Array, write_floor: Array | None = None) -> PackedKV:
+    def of(cls, cfg: ModelConfig, cache: Cache, n_new: Array, write_floor: Array | None = None, *,
+           keep_row_carries: bool = False) -> PackedKV:
         floor = jnp.zeros_like(cache.lengths) if write_floor is None else write_floor
         sources = dict(zip(cfg.attention.kv_source_layers, cache.sources, strict=True))
         ring_pos = ring_positions(cache.lengths, cfg.attention.window_size)
-        return cls(cache.lengths, n_new, floor, ring_pos, cache.rings, sources, cfg.attention.kernel_backend)
+        return cls(cache.lengths, n_new, floor, ring_pos, cache.rings, sources, cfg.attention.kernel_backend,
+                   {} if keep_row_carries else None)
 
     def cache(self) -> Cache:
         """The cache after the chunk."""
@@ -245,7 +250,10 @@ class PackedKV:
         # bounded replay never rewrites global KV; a group that ends at or after the floor is still written
         write = closes & (vis.pos >= self.write_floor[:, None])
         slots = Slots(entry * m, jnp.where(write, entry, src.kv_codes.shape[1]))
-        return latent, slots, self._with_source(layer.layer, src)
+        store = self._with_source(layer.layer, src)
+        if m > 1 and self.row_carries is not None:
+            store = dataclasses.replace(store, row_carries={**self.row_carries, layer.layer: (c, z)})
+        return latent, slots, store
 
     def write_entries(self, layer, main_kv, index_k, slots):
         src = write_source(self.sources[layer.layer], main_kv, index_k, slots.index, backend=self.backend)

@@ -211,3 +211,10 @@ def device_row_ids(
     r = mod_limbs(hs, tables.primes, tables.digit_shifts, tables.two64_mod_p)
     rows = r.astype(jnp.int32) + tables.offsets  # < 2**31 by device_engram's check
     return rows, ext[..., ext.shape[-1] - (k_max - 1):], n_seen + s
+
+
+def advance_history(tables: DeviceEngram, history: Array, n_seen: Array, tokens: Array, n_new: Array):
+    """The Engram history after the first ``n_new[b]`` tokens of a ragged chunk (padding is never history)."""
+    ext = jnp.concatenate([history, tables.token_map[tokens]], axis=1)  # [B, J-1+S]
+    idx = n_new[:, None] + jnp.arange(history.shape[1])[None]
+    return jnp.take_along_axis(ext, idx, axis=1), n_seen + n_new

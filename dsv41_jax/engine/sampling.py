@@ -19,8 +19,10 @@ from jaxtyping import Array, Float, Int
 
 from dsv41_jax import cache as C
 from dsv41_jax.engine.prefill import check_ced_cut, default_ced_cut
+from dsv41_jax.engine.speculative import STATS, SpecState, speculative_step
 from dsv41_jax.engine.step import ChunkOptions, forward_chunk
-from dsv41_jax.engram_device import DeviceEngram, device_history_init, device_row_ids
+from dsv41_jax.engram_device import DeviceEngram, advance_history, device_history_init, device_row_ids
+from dsv41_jax.model.dspark import DraftCache, DSpark, init_draft_cache
 from dsv41_jax.model.moe import expert_parallel
 from dsv41_jax.model.transformer import Transformer
 from dsv41_jax.sharding import named_shardings, state_partition_specs
@@ -38,12 +40,18 @@ class SamplingConfig:
     prefill_chunk: int = 512
     prefill_mode: str = "exact"  # or "ced"
     block: int = 16  # decode steps per compiled call
+    speculative: int = 0  # DSpark drafts verified per step (spec model §8.4); 0 = plain decoding
 
 
 def sample_logits(logits: Float[Array, "B V"], keys: Array, cfg: SamplingConfig) -> Int[Array, "B"]:
     """Greedy, or temperature sampling restricted to the top-k and the top-p nucleus (per-sequence keys)."""
     if cfg.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, cfg)).astype(jnp.int32)
+
+
+def filtered_logits(logits: Float[Array, "B V"], cfg: SamplingConfig) -> Float[Array, "B V"]:
+    """The logits of the distribution a request samples from: temperature, then top-k and top-p (−∞ outside)."""
     logits = logits.astype(jnp.float32) / cfg.temperature
     if cfg.top_k:
         kth = jax.lax.top_k(logits, cfg.top_k)[0][:, -1:]
@@ -54,7 +62,7 @@ def sample_logits(logits: Float[Array, "B V"], keys: Array, cfg: SamplingConfig)
         cut = jnp.cumsum(probs, axis=-1) - probs >= cfg.top_p  # keep the smallest prefix reaching top_p
         masked = jnp.where(cut, -jnp.inf, jnp.take_along_axis(logits, order, -1))
         logits = jnp.zeros_like(logits).at[jnp.arange(logits.shape[0])[:, None], order].set(masked)
-    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+    return logits
 
 
 class DecodeState(NamedTuple):
@@ -65,21 +73,28 @@ class DecodeState(NamedTuple):
     done: Array  # [B] bool
     keys: Array  # [B] per-sequence PRNG keys
     step: Array  # scalar
+    draft: DraftCache | None = None  # the DSpark drafter's rings, with speculative decoding
 
 
 class Generator:
     """Compiled prefill and decode for one model, batch size and ``max_seq_len``."""
 
     def __init__(self, model: Transformer, tables: DeviceEngram, batch: int, max_seq_len: int,
-                 sampling: SamplingConfig, mesh: jax.sharding.Mesh | None = None):
+                 sampling: SamplingConfig, mesh: jax.sharding.Mesh | None = None, drafter: DSpark | None = None):
         """``mesh``: place the weights by the sharding table (experts over ``expert``, ...), split the
-        sequences over ``data``×``expert`` where the batch divides, and run MoE layers expert-parallel."""
+        sequences over ``data``×``expert`` where the batch divides, and run MoE layers expert-parallel.
+        ``drafter`` with ``sampling.speculative`` > 0: speculative decoding (``engine.speculative``); the
+        acceptance counts of the last generation are in :attr:`stats`."""
         self.cfg, self.tables, self.batch = model.cfg, tables, batch
         self.max_seq_len, self.sampling, self.mesh = max_seq_len, sampling, mesh
+        self.stats: dict[str, np.ndarray] = {}
         graphdef, state = nnx.split(model)
         if mesh is not None:
             state = jax.device_put(state, named_shardings(mesh, state_partition_specs(state, mesh=mesh)))
         self.state = state
+        if sampling.speculative:
+            check_speculative(model.cfg, sampling, drafter)
+        dgraph, self.dstate = nnx.split(drafter) if sampling.speculative else (None, None)
         # (options of non-final chunks, options of the final chunk)
         self._chunk_options = (ChunkOptions(), ChunkOptions())
         if sampling.prefill_mode == "ced":
@@ -91,19 +106,28 @@ class Generator:
         elif sampling.prefill_mode != "exact":
             raise ValueError(f"prefill_mode must be 'exact' or 'ced', got {sampling.prefill_mode!r}")
 
-        def prefill_chunk(state, cache, history, n_seen, tokens, n_new, opts):
+        def prefill_chunk(state, dstate, cache, dcache, history, n_seen, tokens, n_new, opts):
             rows, _, _ = device_row_ids(tables, history, n_seen, tokens)  # padding rows: computed, never used
+            observe = dstate is not None and opts.skip_from is None  # the drafter sees the rows that reach it
             with expert_parallel(mesh):
-                logits, cache = forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, n_new,
-                                              options=opts)
-            return logits, cache, *_advance_history(tables, history, n_seen, tokens, n_new)
+                out = forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, n_new,
+                                    options=opts._replace(main_hidden=observe))
+            if observe:
+                f = out[2]
+                dcache = nnx.merge(dgraph, dstate).observe(dcache, f.main_hidden, f.pos, f.valid)
+            return out[0], out[1], dcache, *advance_history(tables, history, n_seen, tokens, n_new)
 
         def decode_block(state, s):
             with expert_parallel(mesh):
                 return self._decode_block(nnx.merge(graphdef, state), s)
 
-        self._prefill = jax.jit(prefill_chunk, static_argnums=6)
+        def speculative_block(state, dstate, s):
+            with expert_parallel(mesh):
+                return self._speculative_block(nnx.merge(graphdef, state), nnx.merge(dgraph, dstate), s)
+
+        self._prefill = jax.jit(prefill_chunk, static_argnums=8)
         self._decode = jax.jit(decode_block)
+        self._speculative = jax.jit(speculative_block)
 
     def _decode_block(self, model: Transformer, s: DecodeState):
         cfg, b = self.sampling, self.batch
@@ -120,10 +144,23 @@ class Generator:
             done = s.done | jnp.isin(token, stop) | (cache.lengths >= self.max_seq_len)
             done = done | (s.step + 1 >= cfg.max_new_tokens)
             s = DecodeState(cache, logits, jnp.where(s.done[:, None], s.history, history),
-                            jnp.where(s.done, s.n_seen, n_seen), done, s.keys, s.step + 1)
+                            jnp.where(s.done, s.n_seen, n_seen), done, s.keys, s.step + 1, s.draft)
             return s, out.at[:, i].set(token)
 
         return jax.lax.fori_loop(0, cfg.block, body, (s, jnp.full((b, cfg.block), -1, jnp.int32)))
+
+    def _speculative_block(self, model: Transformer, drafter: DSpark, s: SpecState):
+        cfg, k = self.sampling, self.sampling.speculative
+        stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
+
+        def body(i, carry):
+            s, out = carry
+            s, tokens = speculative_step(model, drafter, self.tables, s, k=k, temperature=cfg.temperature,
+                                         filtered=lambda x: filtered_logits(x, cfg), stop=stop,
+                                         max_new_tokens=cfg.max_new_tokens, max_seq_len=self.max_seq_len)
+            return s, out.at[:, i].set(tokens)
+
+        return jax.lax.fori_loop(0, cfg.block, body, (s, jnp.full((self.batch, cfg.block, k + 1), -1, jnp.int32)))
 
     def prefill(self, prompts: list[list[int]]) -> DecodeState:
         """Chunked prefill of ragged prompts (token ids); validates them first.
@@ -140,6 +177,7 @@ class Generator:
             cache = jax.device_put(cache, named_shardings(self.mesh, C.cache_partition_specs(cache, self.mesh,
                                                                                       batch_axis=SERVE_BATCH)))
         history, n_seen = device_history_init(self.tables, self.batch)
+        dcache = init_draft_cache(self.cfg, self.batch) if self.dstate is not None else None
         logits = None
         for k in range(n_chunks):
             hi = lengths - (n_chunks - 1 - k) * chunk  # exclusive end of each row's slice in this chunk
@@ -149,23 +187,55 @@ class Generator:
             for i, p in enumerate(prompts):
                 tokens[i, : n_new[i]] = p[lo[i]: lo[i] + n_new[i]]
             opts = self._chunk_options[k == n_chunks - 1]
-            logits, cache, history, n_seen = self._prefill(self.state, cache, history, n_seen, jnp.asarray(tokens),
-                                                           jnp.asarray(n_new, jnp.int32), opts)
+            logits, cache, dcache, history, n_seen = self._prefill(
+                self.state, self.dstate, cache, dcache, history, n_seen, jnp.asarray(tokens),
+                jnp.asarray(n_new, jnp.int32), opts)
         return DecodeState(cache, logits, history, n_seen, jnp.zeros((self.batch,), bool),
-                           jax.random.split(jax.random.key(0), self.batch), jnp.int32(0))
+                           jax.random.split(jax.random.key(0), self.batch), jnp.int32(0), dcache)
 
-    def stream(self, prompts: list[list[int]], seed: int = 0) -> Iterator[np.ndarray]:
-        """Yields [B, ≤block] new tokens (−1 = finished) block by block until every sequence stops."""
+    def stream(self, prompts: list[list[int]], seed: int = 0, speculative: bool = True) -> Iterator[np.ndarray]:
+        """Yields [B, n] new tokens (−1 = none: finished, or not emitted by a speculative step) block by block
+        until every sequence stops; n = ``block`` (``block · (speculative + 1)`` with speculative decoding).
+        ``speculative=False`` decodes plainly even where the generator has a drafter."""
         s = self.prefill(prompts)
         s = s._replace(keys=jax.random.split(jax.random.key(seed), self.batch))
+        if self.sampling.speculative and speculative:
+            yield from self._stream_speculative(s)
+            return
         while not bool(s.done.all()):
-            s, out = self._decode(self.state, s)
-            yield np.asarray(out)
+            s, out = self.decode_block(s)
+            yield out
+
+    def decode_block(self, s: DecodeState) -> tuple[DecodeState, np.ndarray]:
+        """``block`` compiled plain decode steps: the state and the new tokens [B, block] (−1 = finished)."""
+        s, out = self._decode(self.state, s)
+        return s, np.asarray(out)
+
+    def _stream_speculative(self, s: DecodeState) -> Iterator[np.ndarray]:
+        spec = self.start_speculative(s)
+        while not bool(spec.done.all()):
+            spec, out = self.speculative_block(spec)
+            yield out
+
+    def start_speculative(self, s: DecodeState) -> SpecState:
+        """Speculative decoding's state after a prefill: the pending token sampled from the prefill's logits."""
+        keys = jax.vmap(jax.random.fold_in, (0, None))(s.keys, s.step)  # plain decoding's first draw
+        token = sample_logits(s.logits, keys, self.sampling)
+        zeros = jnp.zeros((self.batch,), jnp.int32)
+        return SpecState(s.cache, s.draft, token, s.history, s.n_seen, s.done, s.keys, s.step + 1, zeros,
+                         jnp.zeros((self.batch, len(STATS)), jnp.int32))
+
+    def speculative_block(self, spec: SpecState) -> tuple[SpecState, np.ndarray]:
+        """``block`` compiled draft-verify-commit steps: the state and the emitted tokens [B, block · (k+1)]
+        (−1 = none); :attr:`stats` then holds each sequence's counts so far (``STATS``)."""
+        spec, out = self._speculative(self.state, self.dstate, spec)
+        self.stats = dict(zip(STATS, np.asarray(spec.stats).T, strict=True))
+        return spec, np.asarray(out).reshape(self.batch, -1)
 
     def generate(self, prompts: list[list[int]], seed: int = 0,
-                 on_block: Callable[[np.ndarray], None] | None = None) -> list[list[int]]:
+                 on_block: Callable[[np.ndarray], None] | None = None, speculative: bool = True) -> list[list[int]]:
         outs = [[] for _ in prompts]
-        for block in self.stream(prompts, seed):
+        for block in self.stream(prompts, seed, speculative):
             if on_block is not None:
                 on_block(block)
             for i, row in enumerate(block):
@@ -173,11 +243,19 @@ class Generator:
         return outs
 
 
-def _advance_history(tables: DeviceEngram, history: Array, n_seen: Array, tokens: Array, n_new: Array):
-    """The Engram history after the first ``n_new[b]`` tokens of a ragged chunk (padding is never history)."""
-    ext = jnp.concatenate([history, tables.token_map[tokens]], axis=1)  # [B, J-1+S]
-    idx = n_new[:, None] + jnp.arange(history.shape[1])[None]
-    return jnp.take_along_axis(ext, idx, axis=1), n_seen + n_new
+def check_speculative(cfg, sampling: SamplingConfig, drafter: DSpark | None) -> None:
+    """A ValueError naming what cannot run speculative decoding with ``sampling.speculative`` drafts per step."""
+    k = sampling.speculative
+    if drafter is None:
+        raise ValueError("speculative decoding needs the DSpark drafter (the checkpoint's mtp.* stages)")
+    if not 1 <= k <= cfg.dspark.block_size:
+        raise ValueError(f"speculative: {k} drafts per step; the drafter drafts 1..{cfg.dspark.block_size}")
+    if k + 1 > cfg.attention.window_size:
+        raise ValueError(f"speculative: a verify chunk of {k + 1} tokens exceeds the window "
+                         f"({cfg.attention.window_size})")
+    if sampling.prefill_mode == "ced" and min(cfg.dspark.target_layer_ids) < default_ced_cut(cfg):
+        raise ValueError(f"CED prefill with DSpark: the target layers {cfg.dspark.target_layer_ids} must come "
+                         f"after the cut ({default_ced_cut(cfg)}), where every row of the drafter's window is kept")
 
 
 def validate_prompts(prompts, batch: int, vocab: int, max_seq_len: int) -> None:

@@ -1,0 +1,155 @@
+"""Speculative decoding with the DSpark drafter (spec model §8.4): draft, verify in one chunk, roll back.
+
+One step per sequence: the drafter drafts ``y_1..y_K`` after the pending token ``a`` (already sampled, not yet
+in the cache); the target runs ``[a, y_1..y_k]`` (``k ≤ K`` per request: ragged verify lengths) as one chunk of
+the engine's forward and yields ``k + 1`` next-token distributions. Greedy requests accept the longest prefix of
+drafts equal to the target's argmax; sampling requests run speculative rejection sampling (accept ``y`` with
+probability ``min(1, p(y)/q(y))``, else resample from ``normalize(max(p − q, 0))``), so the output distribution is
+the target's. ``a`` and the accepted drafts are committed; the target's token after them (the correction, or
+the bonus after full acceptance) becomes the next pending token.
+
+Rejected positions are rolled back exactly (:func:`rollback`): the packed main-KV and index-key entries and the
+SWA ring slots they overwrote get their previous bytes back, each ratio-2 source's compressor carry becomes the
+last kept row's (the chunk's per-row carries, ``ChunkOptions.row_carries``), the Engram history advances by the
+kept tokens only. The drafter's rings then observe the target features of every kept position.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from dsv41_jax import cache as C
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.engine.step import ChunkOptions, forward_chunk
+from dsv41_jax.engram_device import DeviceEngram, advance_history, device_row_ids
+from dsv41_jax.model.dspark import DraftCache, DSpark
+from dsv41_jax.model.transformer import Transformer
+
+STATS = ("steps", "drafted", "accepted")  # per sequence: verify steps, drafts verified, drafts accepted
+
+
+class SpecState(NamedTuple):
+    cache: C.Cache
+    draft: DraftCache
+    token: Int[Array, "B"]  # the pending token: sampled, not yet fed (it is emitted when it is fed)
+    history: Array  # Engram history [B, J-1]
+    n_seen: Array  # [B]
+    done: Bool[Array, "B"]
+    keys: Array  # [B] per-sequence PRNG keys
+    step: Array  # scalar
+    emitted: Int[Array, "B"]
+    stats: Int[Array, "B 3"]  # STATS
+
+
+def rollback(cfg: ModelConfig, before: C.Cache, after: C.Cache, chunk: int, n_keep: Int[Array, "B"],
+             row_carries: dict[int, tuple[Array, Array]]) -> C.Cache:
+    """The cache ``after`` a chunk of ``chunk`` ≤ window rows was fed from ``before``, cut back to its first
+    ``n_keep`` rows: exactly the cache of feeding only those rows (the rows after them leave no trace).
+    ``row_carries``: each ratio-2 source's per-row compressor carry of the chunk (``ChunkOptions.row_carries``)."""
+    a = cfg.attention
+    w = a.window_size
+    if chunk > w:
+        raise ValueError(f"a speculative chunk of {chunk} rows exceeds the window ({w}): ring slots would collide")
+    rows = jnp.arange(chunk)[None]
+    pos = before.lengths[:, None] + rows  # [B, S]
+    dropped = rows >= n_keep[:, None]
+
+    def restore(new: Array, old: Array, index: Int[Array, "B S"], size: int) -> Array:
+        prev = jax.vmap(lambda o, i: o[i])(old, jnp.clip(index, 0, size - 1))
+        return C.write_rows(new, prev, jnp.where(dropped, index, size))
+
+    rings = tuple(C.RingCache(*(restore(n, o, pos % w, w) for n, o in zip(ra, rb, strict=True)))
+                  for ra, rb in zip(after.rings, before.rings, strict=True))
+    sources = []
+    for layer, sa, sb in zip(a.kv_source_layers, after.sources, before.sources, strict=True):
+        t, m = sa.kv_codes.shape[1], a.compress_ratios[layer]
+        packed = [restore(n, o, pos // m, t) for n, o in zip(sa[:4], sb[:4], strict=True)]
+        carry_c, carry_z = sb.carry_c, sb.carry_z
+        if m > 1:
+            last = jnp.maximum(n_keep - 1, 0)[:, None, None]
+            kept = (n_keep > 0)[:, None]
+            c, z = row_carries[layer]
+            carry_c = jnp.where(kept, jnp.take_along_axis(c, last, 1)[:, 0], sb.carry_c)
+            carry_z = jnp.where(kept, jnp.take_along_axis(z, last, 1)[:, 0], sb.carry_z)
+        sources.append(C.SourceCache(*packed, carry_c, carry_z))
+    return C.Cache(before.lengths + n_keep, rings, tuple(sources))
+
+
+def accept_greedy(target_logits: Float[Array, "B S V"], drafts: Int[Array, "B K"], n_verify: Int[Array, "B"]
+                  ) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+    """``(accepted, next)``: the longest prefix of the first ``n_verify`` drafts equal to the target's argmax, and
+    the target's argmax after it (the correction, or the bonus after full acceptance)."""
+    pred = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # row j predicts the token after row j
+    k = drafts.shape[1]
+    match = (pred[:, :k] == drafts) & (jnp.arange(k)[None] < n_verify[:, None])
+    accepted = jnp.cumprod(match, axis=-1).sum(-1).astype(jnp.int32)
+    return accepted, jnp.take_along_axis(pred, accepted[:, None], 1)[:, 0]
+
+
+def accept_sampled(keys: Array, target_probs: Float[Array, "B S V"], draft_probs: Float[Array, "B K V"],
+                   drafts: Int[Array, "B K"], n_verify: Int[Array, "B"]) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+    """Speculative rejection sampling: ``(accepted, next)`` with ``next`` drawn from ``normalize(max(p − q, 0))``
+    at the first rejection, or from ``p`` after the last verified draft."""
+    b, k = drafts.shape
+    p_y = jnp.take_along_axis(target_probs[:, :k], drafts[..., None], -1)[..., 0]
+    q_y = jnp.take_along_axis(draft_probs, drafts[..., None], -1)[..., 0]
+    k_accept, k_next = jax.vmap(jax.random.split, out_axes=1)(keys)
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(k_accept)
+    ok = (u * q_y < p_y) & (jnp.arange(k)[None] < n_verify[:, None])  # u < p/q without dividing by q
+    accepted = jnp.cumprod(ok, axis=-1).sum(-1).astype(jnp.int32)
+    p = jnp.take_along_axis(target_probs, accepted[:, None, None], 1)[:, 0]
+    q = jnp.take_along_axis(jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0))), accepted[:, None, None], 1)[:, 0]
+    rejected = (accepted < n_verify)[:, None]
+    residual = jnp.where(rejected, jnp.maximum(p - q, 0.0), p)
+    residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p)  # p == q: nothing left over
+    nxt = jax.vmap(jax.random.categorical)(k_next, jnp.log(residual))
+    return accepted, nxt.astype(jnp.int32)
+
+
+def speculative_step(model: Transformer, drafter: DSpark, tables: DeviceEngram, s: SpecState, *, k: int,
+                     temperature: float, filtered, stop: Array, max_new_tokens: int, max_seq_len: int,
+                     n_verify: Int[Array, "B"] | None = None) -> tuple[SpecState, Int[Array, "B S"]]:
+    """One draft-verify-commit step for every live sequence; returns the state and the emitted tokens [B, k+1]
+    (−1 where nothing was emitted). ``filtered(logits [N, V]) -> logits`` applies the request's temperature,
+    top-k and top-p (the target distribution p); ``n_verify`` (default ``k``) is each request's verify length."""
+    b = s.token.shape[0]
+    live = ~s.done
+    keys = jax.vmap(jax.random.fold_in, (0, None))(s.keys, s.step)
+    k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
+    draft = drafter.propose(model, s.draft, s.token, temperature=temperature, keys=k_draft)
+    drafts = draft.ids[:, 1: k + 1]
+    n_verify = jnp.full((b,), k, jnp.int32) if n_verify is None else jnp.minimum(n_verify, k).astype(jnp.int32)
+    cols = jnp.arange(k + 1)[None]
+    tokens = jnp.where(cols <= n_verify[:, None], jnp.concatenate([s.token[:, None], drafts], axis=1), 0)
+    n_new = jnp.where(live, n_verify + 1, 0)
+    rows, _, _ = device_row_ids(tables, s.history, s.n_seen, tokens)
+    options = ChunkOptions(all_logits=True, main_hidden=True, row_carries=True)
+    logits, fed, feats, carries = forward_chunk(model, s.cache, tokens, rows, n_new, options=options)
+    if temperature == 0:
+        accepted, nxt = accept_greedy(logits, drafts, n_verify)
+    else:
+        v = logits.shape[-1]
+        p = jax.nn.softmax(filtered(logits.reshape(-1, v)).reshape(logits.shape), axis=-1)
+        q = jax.nn.softmax(draft.logits[:, :k] / temperature, axis=-1)
+        accepted, nxt = accept_sampled(k_accept, p, q, drafts, n_verify)
+    # emitted: the pending token and the accepted drafts, up to the first stop token and within the limits
+    committed = cols <= accepted[:, None]
+    is_stop = jnp.isin(tokens, stop) & committed
+    first_stop = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, axis=-1), k + 1)
+    n_emit = jnp.minimum(jnp.minimum(accepted + 1, first_stop + 1),
+                         jnp.minimum(max_new_tokens - s.emitted, max_seq_len - s.cache.lengths))
+    n_emit = jnp.where(live, n_emit, 0)
+    emitted = s.emitted + n_emit
+    done = s.done | is_stop.any(-1) | (emitted >= max_new_tokens) | (s.cache.lengths + n_emit >= max_seq_len)
+    cache = rollback(model.cfg, s.cache, fed, k + 1, n_emit, carries)
+    kept = cols < n_emit[:, None]
+    dcache = drafter.observe(s.draft, feats.main_hidden, feats.pos, feats.valid & kept)
+    history, n_seen = advance_history(tables, s.history, s.n_seen, tokens, n_emit)
+    stats = s.stats + jnp.stack([live, n_verify * live, accepted * live], axis=1).astype(jnp.int32)
+    out = jnp.where(kept, tokens, -1)
+    return SpecState(cache, dcache, nxt, history, n_seen, done, s.keys, s.step + 1, emitted, stats), out
+

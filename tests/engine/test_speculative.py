@@ -1,0 +1,205 @@
+"""Speculative decoding with the DSpark drafter: the same tokens as plain decoding, exact cache rollback, and
+rejection sampling that keeps the target's distribution.
+
+One generator on the 8-layer tiny model (random weights, every layer role) with CED prefill and ragged
+prompts serves every engine test: its plain decode block is the reference, its speculative block runs with
+two drafters of the same shapes (the random one, whose drafts are nearly always rejected, and one whose Markov
+head holds the bigrams of the reference output, so whole blocks are accepted); the drafter's weights are an
+argument of the compiled block, so both share one compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv41_jax import cache as C
+from dsv41_jax.engine.sampling import Generator, SamplingConfig
+from dsv41_jax.engine.speculative import accept_greedy, accept_sampled, rollback
+from dsv41_jax.engram_device import device_engram
+from dsv41_jax.engram_hash import EngramHasher
+from dsv41_jax.model.dspark import DSpark
+from dsv41_jax.model.transformer import Transformer
+
+K = 4  # drafts verified per step: a verify chunk of 5 ≤ window 8
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def spec(tiny8_cfg):
+    cfg = tiny8_cfg
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    drafter = DSpark(cfg, rngs=nnx.Rngs(1))
+    tables = device_engram(EngramHasher(cfg.engram, np.arange(cfg.vocab_size) % cfg.engram.compressed_vocab_size))
+    sampling = SamplingConfig(temperature=0, max_new_tokens=NEW, stop_tokens=(), block=1, prefill_chunk=16,
+                              prefill_mode="ced", speculative=K)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(4, 500, n)) for n in (16, 7, 12)]  # ragged; CED narrows the 16-token prompt
+    gen = Generator(model, tables, len(prompts), 64, sampling, drafter=drafter)
+    plain = gen.generate(prompts, speculative=False)
+    return dict(gen=gen, drafter=drafter, prompts=prompts, plain=plain, cfg=cfg)
+
+
+def bigram_drafter(drafter: DSpark, outputs: list[list[int]], skip: set[tuple[int, int]]) -> nnx.State:
+    """The drafter's state with its Markov head holding the bigrams of ``outputs`` (except ``skip``) and the base
+    head silenced (``mtp.{last}.norm`` = 0): it drafts what the reference decoded wherever that is a bigram."""
+    graphdef, state = nnx.split(drafter)
+    d = nnx.merge(graphdef, jax.tree.map(jnp.array, state))
+    last = d.mtp[-1]
+    v, r = last.markov_head.embed.weight.shape
+    emb = np.random.default_rng(2).normal(size=(v, r)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    head = np.zeros((v, r), np.float32)
+    for row in outputs:
+        for a, b in zip(row[:-1], row[1:], strict=True):
+            if (a, b) not in skip:
+                head[b] += 20 * emb[a]
+    last.norm.weight[...] = jnp.zeros_like(last.norm.weight[...])
+    last.markov_head.embed.weight[...] = jnp.asarray(emb)
+    last.markov_head.head.weight[...] = jnp.asarray(head)
+    return nnx.state(d)
+
+
+def emitted_per_step(gen: Generator, prompts, n_steps: int) -> tuple[np.ndarray, list]:
+    """Tokens emitted by each of the first speculative steps [steps, B], and the state after each step."""
+    s = gen.start_speculative(gen.prefill(prompts))
+    counts, states = [], []
+    for _ in range(n_steps):
+        s, out = gen.speculative_block(s)
+        counts.append((out >= 0).sum(-1))
+        states.append(s)
+    return np.array(counts), states
+
+
+def test_greedy_speculative_equals_plain_decoding(spec):
+    """Random drafts (rejected), then bigram drafts (whole blocks accepted, one bigram left out so a block is
+    cut short): the emitted tokens are plain greedy decoding's, token for token, in every ragged row."""
+    gen, plain = spec["gen"], spec["plain"]
+    assert all(len(row) == NEW for row in plain)
+    random_state = gen.dstate
+    try:
+        assert gen.generate(spec["prompts"]) == plain
+        assert (gen.stats["steps"] >= NEW // 2).all()  # mostly rejected: about one token per step
+        gen.dstate = bigram_drafter(spec["drafter"], plain, skip={(plain[0][2], plain[0][3])})
+        assert gen.generate(spec["prompts"]) == plain
+        per_step, _ = emitted_per_step(gen, spec["prompts"], 3)
+        assert (per_step == K + 1).any(), per_step  # a fully accepted block: K drafts and the bonus token
+        assert per_step[0, 0] == 3, per_step  # row 0: anchor + 2 drafts, then the left-out bigram is rejected
+        assert gen.stats["accepted"].sum() > 0
+    finally:
+        gen.dstate = random_state
+
+
+def test_cache_after_a_rejection_equals_plain_decoding(spec):
+    """After one speculative step that rejected a draft, every row's cache (main KV, index keys, SWA rings,
+    ratio-2 carry, Engram history) equals plain decoding's after the same tokens; entries past the kept
+    positions hold what they held before the verify chunk."""
+    gen, plain, prompts = spec["gen"], spec["plain"], spec["prompts"]
+    random_state = gen.dstate
+    try:
+        gen.dstate = bigram_drafter(spec["drafter"], plain, skip={(plain[0][2], plain[0][3])})
+        counts, states = emitted_per_step(gen, prompts, 1)
+    finally:
+        gen.dstate = random_state
+    n = counts[0]
+    assert n[0] == 3 and (n >= 1).all(), n
+    spec_cache, spec_state = states[0].cache, states[0]
+    s = gen.prefill(prompts)
+    for t in range(1, int(n.max()) + 1):
+        s, _ = gen.decode_block(s)
+        for i in np.flatnonzero(n == t):
+            assert_row_equal(spec["cfg"], spec_cache, s.cache, i)
+            np.testing.assert_array_equal(np.asarray(spec_state.history[i]), np.asarray(s.history[i]))
+            assert int(spec_state.n_seen[i]) == int(s.n_seen[i])
+
+
+def assert_row_equal(cfg, got: C.Cache, want: C.Cache, i: int) -> None:
+    assert int(got.lengths[i]) == int(want.lengths[i])
+    length = int(want.lengths[i])
+    for ring_got, ring_want in zip(got.rings, want.rings, strict=True):
+        close(C.read_ring(ring_got, jnp.float32)[i], C.read_ring(ring_want, jnp.float32)[i])
+    a = cfg.attention
+    for layer, sg, sw in zip(a.kv_source_layers, got.sources, want.sources, strict=True):
+        m = a.compress_ratios[layer]
+        for x, y in zip(sg[:4], sw[:4], strict=True):
+            x, y = np.asarray(x[i]).view(np.uint8), np.asarray(y[i]).view(np.uint8)
+            # written entries agree (packed bytes; a chunk of 5 and single steps round alike here); past
+            # the kept positions both hold the bytes from before (zeros): the rollback restored them
+            np.testing.assert_array_equal(x[length // m:], y[length // m:])
+            assert (x[: length // m] == y[: length // m]).mean() > 0.999
+        if m > 1 and length % 2:  # an open group: its first token's compressor carry
+            close(sg.carry_c[i], sw.carry_c[i])
+            close(sg.carry_z[i], sw.carry_z[i])
+
+
+def close(x, y) -> None:
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-4, atol=1e-5)
+
+
+def test_rollback_of_nothing_kept_restores_the_cache(spec):
+    """Cut back to zero kept rows, a fed chunk leaves the cache exactly as it was (every byte)."""
+    gen, cfg = spec["gen"], spec["cfg"]
+    s = gen.prefill(spec["prompts"])
+    before = s.cache
+    spec_state = gen.start_speculative(s)
+    after, _ = gen.speculative_block(spec_state)
+    a = cfg.attention
+    unused = {layer: (jnp.ones((3, K + 1, a.head_dim)),) * 2 for layer in a.kv_source_layers
+              if a.compress_ratios[layer] == 2}  # no row kept: no row's carry is read
+    restored = rollback(cfg, before, after.cache, K + 1, jnp.zeros((3,), jnp.int32), unused)
+    for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
+def test_greedy_acceptance_rule():
+    logits = jax.nn.one_hot(jnp.array([[3, 1, 4, 1, 5], [2, 7, 1, 8, 2]]), 10)
+    drafts = jnp.array([[3, 1, 0, 1], [2, 7, 1, 8]])
+    accepted, nxt = accept_greedy(logits, drafts, jnp.array([4, 3]))
+    np.testing.assert_array_equal(accepted, [2, 3])  # row 0 mismatches at draft 3; row 1 verifies only 3
+    np.testing.assert_array_equal(nxt, [4, 8])  # the correction, and the bonus after full acceptance
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """50k draws with fixed keys: drafts y ~ q, accept/resample; the first emitted token follows p_0, and the
+    second (when the first draft was accepted) p_1. Pearson χ² against the target is far below its 99.99%
+    quantile, while the drafts themselves are far from it (the test can tell)."""
+    v, k, n = 8, 3, 50_000
+    rng = np.random.default_rng(0)
+    p = jax.nn.softmax(jnp.asarray(rng.normal(size=(k + 1, v)) * 1.5, jnp.float32), -1)
+    q = jax.nn.softmax(jnp.asarray(rng.normal(size=(k, v)) * 1.5, jnp.float32), -1)
+
+    @jax.jit
+    def draw(keys):
+        drafts = jax.vmap(lambda key: jax.random.categorical(key, jnp.log(q)))(keys[:, 0]).astype(jnp.int32)
+        return drafts, *accept_sampled(keys[:, 1], jnp.broadcast_to(p, (n, k + 1, v)),
+                                       jnp.broadcast_to(q, (n, k, v)), drafts, jnp.full((n,), k, jnp.int32))
+
+    drafts, accepted, nxt = draw(jax.random.split(jax.random.key(0), 2 * n).reshape(n, 2))
+    accepted, nxt, drafts, p, q = map(np.asarray, (accepted, nxt, drafts, p, q))
+    first = np.where(accepted >= 1, drafts[:, 0], nxt)
+    second = np.where(accepted >= 2, drafts[:, 1], nxt)[accepted >= 1]
+    bound = 29.88  # χ²(7) at 0.9999
+    assert chi2(first, p[0]) < bound and chi2(second, p[1]) < bound, (chi2(first, p[0]), chi2(second, p[1]))
+    assert chi2(drafts[:, 0], p[0]) > 100 * bound
+    assert 0 < (accepted == k).mean() < 1 and (accepted == 0).mean() > 0
+
+
+def chi2(samples: np.ndarray, probs: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=probs.size)
+    expected = probs * samples.size
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_bad_speculative_settings(spec):
+    gen = spec["gen"]
+    model = Transformer(spec["cfg"], rngs=nnx.Rngs(0))
+    sampling = dataclasses.replace(gen.sampling, speculative=2)
+    with pytest.raises(ValueError, match="drafter"):
+        Generator(model, gen.tables, 3, 64, sampling)
+    with pytest.raises(ValueError, match="drafts per step"):
+        Generator(model, gen.tables, 3, 64, dataclasses.replace(sampling, speculative=6), drafter=spec["drafter"])

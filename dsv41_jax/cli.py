@@ -149,7 +149,8 @@ def _cmd_sample(args) -> int:
     sample(run=args.run, ckpt=args.ckpt, hf_dir=args.hf_dir, prompts=args.prompt, ids=args.ids,
            max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, temperature=args.temperature,
            top_k=args.top_k, top_p=args.top_p, seed=args.seed, prefill_mode=args.prefill_mode,
-           prefill_chunk=args.prefill_chunk, dtype=args.dtype, show_ids=args.show_ids, mesh=args.mesh)
+           prefill_chunk=args.prefill_chunk, dtype=args.dtype, show_ids=args.show_ids, mesh=args.mesh,
+           speculative=args.speculative)
     return 0
 
 
@@ -261,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", "--precision", dest="dtype", default="bfloat16", type=_precision,
                    help="activation precision: bf16 or fp32")
     p.add_argument("--show-ids", action="store_true", help="also print each row's generated token ids")
+    p.add_argument("--speculative", type=A.speculative, metavar="dspark[:K]",
+                   help="speculative decoding with the checkpoint's DSpark drafter, K drafts verified per step "
+                   "(default its block size); prints the acceptance counts")
     _add_mesh(p)
     p.set_defaults(fn=_cmd_sample)
     p = sub.add_parser("train", help="pre-train from a YAML run config (model, optim, mesh, data, checkpoint)")

@@ -61,6 +61,14 @@ def token_ids(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+def speculative(text: str) -> int:
+    """``dspark`` -> 0 (the drafter's whole block), ``dspark:3`` -> 3 drafts verified per step."""
+    method, _, k = text.partition(":")
+    if method != "dspark" or (k and (not k.isdigit() or int(k) < 1)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected dspark or dspark:K with K ≥ 1 drafts per step")
+    return int(k) if k else 0
+
+
 def boundaries(text: str) -> list[int | None]:
     """``cold,64,128`` -> ``[None, 64, 128]``: cache-hit positions (cold: no hit)."""
     out: list[int | None] = []

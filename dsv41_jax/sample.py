@@ -13,9 +13,10 @@ from collections.abc import Callable, Sequence
 
 from tokenizers import Tokenizer
 
+from dsv41_jax.checkpoint.load import load_drafter
 from dsv41_jax.config import ConfigError
 from dsv41_jax.engine.mesh import load_for_serving
-from dsv41_jax.engine.sampling import Generator, SamplingConfig, validate_prompts
+from dsv41_jax.engine.sampling import Generator, SamplingConfig, SpeculativeError, validate_prompts
 from dsv41_jax.engram_device import device_engram
 
 
@@ -40,12 +41,15 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
            ids: Sequence[Sequence[int]] | None = None, max_new_tokens: int = 32, max_seq_len: int = 4096,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
            prefill_mode: str = "exact", prefill_chunk: int = 512, dtype: str = "bfloat16",
-           show_ids: bool = False, mesh: str | None = None, log: Callable[[str], None] = _print) -> list[list[int]]:
+           show_ids: bool = False, mesh: str | None = None, speculative: int | None = None,
+           log: Callable[[str], None] = _print) -> list[list[int]]:
     """Sample continuations of text ``prompts`` (or token-id prompts ``ids``) from one checkpoint source.
 
     Each block's new text is logged as ``[row] text``; with ``show_ids`` each row's generated ids follow as
     ``[row] ids a,b,c``. Rows stop at the model's EOS or after ``max_new_tokens``. Returns the generated ids.
     ``mesh`` (``--mesh``): the weights sharded by the sharding table, sequences split over data × expert.
+    ``speculative`` (``--speculative dspark[:K]``): speculative decoding with the checkpoint's DSpark drafter,
+    ``K`` drafts per step (0: its block size); the acceptance counts are logged at the end.
     """
     loaded, on = load_for_serving(mesh, run=run, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype, log=log)
     if loaded.step is not None:
@@ -53,14 +57,22 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
     cfg = loaded.model.cfg
     tok = Tokenizer.from_file(str(loaded.tokenizer))
     batch = [list(p) for p in ids] if ids else encode_prompts(tok, cfg.bos_token_id, prompts or [])
+    drafter = None
+    if speculative is not None:
+        if run is not None:
+            raise ConfigError("--speculative: a training run holds no DSpark drafter; sample from --ckpt or --hf-dir")
+        drafter = load_drafter(cfg, ckpt=ckpt, hf_dir=hf_dir)
+        speculative = speculative or cfg.dspark.block_size
     try:  # before anything compiles: a prompt that cannot be generated from is the user's one-line error
         validate_prompts(batch, len(batch), cfg.vocab_size, max_seq_len)
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                                   stop_tokens=(cfg.eos_token_id,), prefill_mode=prefill_mode,
-                                  prefill_chunk=prefill_chunk)
-        gen = Generator(loaded.model, device_engram(loaded.hasher), len(batch), max_seq_len, sampling, mesh=on)
+                                  prefill_chunk=prefill_chunk, speculative=speculative or 0)
+        gen = Generator(loaded.model, device_engram(loaded.hasher), len(batch), max_seq_len, sampling, mesh=on,
+                        drafter=drafter)
     except ValueError as err:
-        raise ConfigError(f"{'--ids' if ids else '--prompt'}: {err}") from None
+        flag = "--speculative" if isinstance(err, SpeculativeError) else "--ids" if ids else "--prompt"
+        raise ConfigError(f"{flag}: {err}") from None
 
     def show(block):  # [B, block] new ids; -1 once a row has stopped
         for i, row in enumerate(block):
@@ -72,4 +84,17 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
     if show_ids:
         for i, row in enumerate(outs):
             log(f"[{i}] ids {','.join(map(str, row))}")
+    if speculative:
+        log(acceptance_report(gen.stats))
     return outs
+
+
+def acceptance_report(stats: dict) -> str:
+    """One line per sequence and the total: verify steps, drafts accepted of drafted, tokens per step."""
+    steps, drafted, accepted = (stats[k] for k in ("steps", "drafted", "accepted"))
+    rows = [f"[{i}] {s} steps, {a}/{d} drafts accepted, {(a + s) / max(s, 1):.2f} tokens/step"
+            for i, (s, d, a) in enumerate(zip(steps, drafted, accepted, strict=True))]
+    total = (f"speculative: {steps.sum()} steps, {accepted.sum()}/{drafted.sum()} drafts accepted "
+             f"({accepted.sum() / max(drafted.sum(), 1):.1%}), mean accepted length "
+             f"{(accepted.sum() + steps.sum()) / max(steps.sum(), 1):.2f} tokens/step")
+    return "\n".join([*rows, total])

@@ -41,6 +41,9 @@ class SamplingConfig:
     prefill_mode: str = "exact"  # or "ced"
     block: int = 16  # decode steps per compiled call
     speculative: int = 0  # DSpark drafts verified per step (spec model §8.4); 0 = plain decoding
+    # the target's steps per second at n verified tokens in a batch (sps[n]): confidence-scheduled verify
+    # lengths (engine.speculative.schedule_verify); empty = every request verifies `speculative` drafts
+    sps: tuple[float, ...] = ()
 
 
 def sample_logits(logits: Float[Array, "B V"], keys: Array, cfg: SamplingConfig) -> Int[Array, "B"]:
@@ -157,7 +160,8 @@ class Generator:
             s, out = carry
             s, tokens = speculative_step(model, drafter, self.tables, s, k=k, temperature=cfg.temperature,
                                          filtered=lambda x: filtered_logits(x, cfg), stop=stop,
-                                         max_new_tokens=cfg.max_new_tokens, max_seq_len=self.max_seq_len)
+                                         max_new_tokens=cfg.max_new_tokens, max_seq_len=self.max_seq_len,
+                                         sps=cfg.sps)
             return s, out.at[:, i].set(tokens)
 
         return jax.lax.fori_loop(0, cfg.block, body, (s, jnp.full((self.batch, cfg.block, k + 1), -1, jnp.int32)))
@@ -243,19 +247,23 @@ class Generator:
         return outs
 
 
+class SpeculativeError(ValueError):
+    """Speculative decoding that cannot run as asked (no drafter, too many drafts, ...)."""
+
+
 def check_speculative(cfg, sampling: SamplingConfig, drafter: DSpark | None) -> None:
-    """A ValueError naming what cannot run speculative decoding with ``sampling.speculative`` drafts per step."""
+    """A :class:`SpeculativeError` naming what cannot run with ``sampling.speculative`` drafts per step."""
     k = sampling.speculative
     if drafter is None:
-        raise ValueError("speculative decoding needs the DSpark drafter (the checkpoint's mtp.* stages)")
+        raise SpeculativeError("speculative decoding needs the DSpark drafter (the checkpoint's mtp.* stages)")
     if not 1 <= k <= cfg.dspark.block_size:
-        raise ValueError(f"speculative: {k} drafts per step; the drafter drafts 1..{cfg.dspark.block_size}")
+        raise SpeculativeError(f"{k} drafts per step; the drafter drafts 1..{cfg.dspark.block_size}")
     if k + 1 > cfg.attention.window_size:
-        raise ValueError(f"speculative: a verify chunk of {k + 1} tokens exceeds the window "
-                         f"({cfg.attention.window_size})")
+        raise SpeculativeError(f"a verify chunk of {k + 1} tokens exceeds the window ({cfg.attention.window_size})")
     if sampling.prefill_mode == "ced" and min(cfg.dspark.target_layer_ids) < default_ced_cut(cfg):
-        raise ValueError(f"CED prefill with DSpark: the target layers {cfg.dspark.target_layer_ids} must come "
-                         f"after the cut ({default_ced_cut(cfg)}), where every row of the drafter's window is kept")
+        raise SpeculativeError(f"CED prefill: the DSpark target layers {cfg.dspark.target_layer_ids} must come "
+                               f"after the cut ({default_ced_cut(cfg)}), where every row of the drafter's window "
+                               "is kept")
 
 
 def validate_prompts(prompts, batch: int, vocab: int, max_seq_len: int) -> None:

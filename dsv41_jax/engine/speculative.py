@@ -110,19 +110,46 @@ def accept_sampled(keys: Array, target_probs: Float[Array, "B S V"], draft_probs
     return accepted, nxt.astype(jnp.int32)
 
 
+def schedule_verify(confidence: Float[Array, "B K"], live: Bool[Array, "B"], sps: Float[Array, "N"]
+                    ) -> Int[Array, "B"]:
+    """Confidence-scheduled verify lengths (spec model §8.4, the DSpark paper's scheduler).
+
+    Slot i's conditional acceptance is ``c_i = σ(conf_i)``, its prefix survival ``s_i = Π_{j≤i} c_j``. Over the
+    live requests' candidate draft tokens sorted by ``s`` (ties: lower slot first, so each request's choice is a
+    prefix), the number ``X`` of drafts verified maximises ``(B + Σ_{j≤X} s_(j)) · SPS(B + X)``: the expected
+    tokens per step times the target's steps per second at ``B + X`` verified tokens (``sps[n]``; past the
+    table's end its last value). Returns each request's number of drafts to verify.
+    """
+    b, k = confidence.shape
+    surv = jnp.cumprod(jax.nn.sigmoid(confidence.astype(jnp.float32)), axis=-1)
+    flat = jnp.where(live[:, None], surv, -1.0).reshape(-1)  # done requests sort last and are never chosen
+    order = jnp.argsort(-flat, stable=True)
+    gain = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.maximum(flat[order], 0.0))])  # [B·K + 1]
+    n_live = live.sum()
+    tokens = n_live + jnp.arange(b * k + 1)
+    rate = sps[jnp.minimum(tokens, sps.shape[0] - 1)]
+    best = jnp.argmax((n_live + gain) * rate)  # the first maximum: fewer tokens on a tie
+    rank = jnp.zeros((b * k,), jnp.int32).at[order].set(jnp.arange(b * k, dtype=jnp.int32))
+    chosen = (rank < best).reshape(b, k) & live[:, None]
+    return chosen.sum(-1).astype(jnp.int32)
+
+
 def speculative_step(model: Transformer, drafter: DSpark, tables: DeviceEngram, s: SpecState, *, k: int,
                      temperature: float, filtered, stop: Array, max_new_tokens: int, max_seq_len: int,
-                     n_verify: Int[Array, "B"] | None = None) -> tuple[SpecState, Int[Array, "B S"]]:
+                     sps: tuple[float, ...] = ()) -> tuple[SpecState, Int[Array, "B S"]]:
     """One draft-verify-commit step for every live sequence; returns the state and the emitted tokens [B, k+1]
     (−1 where nothing was emitted). ``filtered(logits [N, V]) -> logits`` applies the request's temperature,
-    top-k and top-p (the target distribution p); ``n_verify`` (default ``k``) is each request's verify length."""
+    top-k and top-p (the target distribution p). Each request verifies ``k`` drafts, or with a steps-per-second
+    table ``sps`` the number :func:`schedule_verify` chooses from the drafter's confidences."""
     b = s.token.shape[0]
     live = ~s.done
     keys = jax.vmap(jax.random.fold_in, (0, None))(s.keys, s.step)
     k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
     draft = drafter.propose(model, s.draft, s.token, temperature=temperature, keys=k_draft)
     drafts = draft.ids[:, 1: k + 1]
-    n_verify = jnp.full((b,), k, jnp.int32) if n_verify is None else jnp.minimum(n_verify, k).astype(jnp.int32)
+    n_verify = jnp.full((b,), k, jnp.int32)
+    if sps:
+        n_verify = schedule_verify(draft.confidence[:, :k], live, jnp.asarray(sps, jnp.float32))
     cols = jnp.arange(k + 1)[None]
     tokens = jnp.where(cols <= n_verify[:, None], jnp.concatenate([s.token[:, None], drafts], axis=1), 0)
     n_new = jnp.where(live, n_verify + 1, 0)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from dsv41_jax import cache as C
 from dsv41_jax.engine.sampling import Generator, SamplingConfig
-from dsv41_jax.engine.speculative import accept_greedy, accept_sampled, rollback
+from dsv41_jax.engine.speculative import accept_greedy, accept_sampled, rollback, schedule_verify
 from dsv41_jax.engram_device import device_engram
 from dsv41_jax.engram_hash import EngramHasher
 from dsv41_jax.model.dspark import DSpark
@@ -196,6 +196,14 @@ def chi2(samples: np.ndarray, probs: np.ndarray) -> float:
 
 
 def test_bad_speculative_settings(spec):
+    import argparse
+
+    from dsv41_jax import cli_args
+
+    assert cli_args.speculative("dspark") == 0 and cli_args.speculative("dspark:3") == 3
+    for bad in ("eagle", "dspark:0", "dspark:x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="dspark:K"):
+            cli_args.speculative(bad)
     gen = spec["gen"]
     model = Transformer(spec["cfg"], rngs=nnx.Rngs(0))
     sampling = dataclasses.replace(gen.sampling, speculative=2)
@@ -203,3 +211,27 @@ def test_bad_speculative_settings(spec):
         Generator(model, gen.tables, 3, 64, sampling)
     with pytest.raises(ValueError, match="drafts per step"):
         Generator(model, gen.tables, 3, 64, dataclasses.replace(sampling, speculative=6), drafter=spec["drafter"])
+
+
+def test_confidence_schedule_is_the_best_prefix_choice():
+    """Against every prefix-contiguous choice of verify lengths: the scheduler's choice reaches the largest
+    (B + Σ survival) · SPS(B + X), and a flat curve verifies every draft, a steep one none."""
+    import itertools
+
+    rng = np.random.default_rng(3)
+    conf = jnp.asarray(rng.normal(size=(3, 4)) * 2, jnp.float32)
+    surv = np.cumprod(1 / (1 + np.exp(-np.asarray(conf))), -1)
+    live = jnp.array([True, False, True])
+    sps = jnp.asarray(100.0 / (1 + 0.15 * np.arange(16) ** 1.5), jnp.float32)  # slower with more tokens
+
+    def objective(lengths):
+        gain = sum(surv[b, :n].sum() for b, n in enumerate(lengths) if live[b])
+        x = sum(n for b, n in enumerate(lengths) if live[b])
+        return (2 + gain) * float(sps[min(2 + x, 15)])
+
+    got = np.asarray(schedule_verify(conf, live, sps))
+    best = max(objective(c) for c in itertools.product(range(5), [0], range(5)))
+    assert got[1] == 0 and objective(got) == pytest.approx(best, rel=1e-6), (got, objective(got), best)
+    assert 0 < got.sum() < 8  # the curve binds: neither every draft nor none
+    np.testing.assert_array_equal(schedule_verify(conf, live, jnp.ones((16,))), [4, 0, 4])
+    np.testing.assert_array_equal(schedule_verify(conf, live, jnp.array([1.0, 1.0, 1.0, 0.01])), [0, 0, 0])

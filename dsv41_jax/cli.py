@@ -150,14 +150,20 @@ def _cmd_sample(args) -> int:
            max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, temperature=args.temperature,
            top_k=args.top_k, top_p=args.top_p, seed=args.seed, prefill_mode=args.prefill_mode,
            prefill_chunk=args.prefill_chunk, dtype=args.dtype, show_ids=args.show_ids, mesh=args.mesh,
-           speculative=args.speculative)
+           speculative=args.speculative, drafter=args.drafter)
     return 0
 
 
 def _cmd_train(args) -> int:
-    """Pre-train from a YAML run config (resumes from the latest checkpoint in checkpoint.dir), or plan it."""
+    """Pre-train from a YAML run config (resumes from the latest checkpoint in checkpoint.dir), or plan it; a
+    config with a dspark_train section trains a DSpark drafter for a pre-trained run instead."""
+    from dsv41_jax.config.files import config_path
+    from dsv41_jax.train.dspark import is_dspark_config, train_dspark
     from dsv41_jax.train.loop import launch
 
+    if is_dspark_config(config_path(args.config)):
+        train_dspark(config_path(args.config), args.overrides)
+        return 0
     launch(args.config, args.overrides, stop_after=args.stop_after, preflight_only=args.preflight, aot=args.aot,
            compile=not args.no_compile, collectives=args.collectives, devices=args.devices)
     return 0
@@ -265,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", type=A.speculative, metavar="dspark[:K]",
                    help="speculative decoding with the checkpoint's DSpark drafter, K drafts verified per step "
                    "(default its block size); prints the acceptance counts")
+    p.add_argument("--drafter", help="with --speculative: a drafter.npz written by DSpark training (dsv41 train "
+                   "--config configs/dspark_tiny.yaml) instead of the checkpoint's own mtp.* stages")
     _add_mesh(p)
     p.set_defaults(fn=_cmd_sample)
     p = sub.add_parser("train", help="pre-train from a YAML run config (model, optim, mesh, data, checkpoint)")

@@ -42,14 +42,15 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
            prefill_mode: str = "exact", prefill_chunk: int = 512, dtype: str = "bfloat16",
            show_ids: bool = False, mesh: str | None = None, speculative: int | None = None,
-           log: Callable[[str], None] = _print) -> list[list[int]]:
+           drafter: str | os.PathLike | None = None, log: Callable[[str], None] = _print) -> list[list[int]]:
     """Sample continuations of text ``prompts`` (or token-id prompts ``ids``) from one checkpoint source.
 
     Each block's new text is logged as ``[row] text``; with ``show_ids`` each row's generated ids follow as
     ``[row] ids a,b,c``. Rows stop at the model's EOS or after ``max_new_tokens``. Returns the generated ids.
     ``mesh`` (``--mesh``): the weights sharded by the sharding table, sequences split over data × expert.
     ``speculative`` (``--speculative dspark[:K]``): speculative decoding with the checkpoint's DSpark drafter,
-    ``K`` drafts per step (0: its block size); the acceptance counts are logged at the end.
+    ``K`` drafts per step (0: its block size); the acceptance counts are logged at the end. ``drafter``: a
+    ``drafter.npz`` that DSpark training wrote (``dsv41 train`` of a ``dspark_train`` config) instead.
     """
     loaded, on = load_for_serving(mesh, run=run, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype, log=log)
     if loaded.step is not None:
@@ -57,11 +58,20 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
     cfg = loaded.model.cfg
     tok = Tokenizer.from_file(str(loaded.tokenizer))
     batch = [list(p) for p in ids] if ids else encode_prompts(tok, cfg.bos_token_id, prompts or [])
-    drafter = None
+    draft_model = None
     if speculative is not None:
-        if run is not None:
-            raise ConfigError("--speculative: a training run holds no DSpark drafter; sample from --ckpt or --hf-dir")
-        drafter = load_drafter(cfg, ckpt=ckpt, hf_dir=hf_dir)
+        if drafter is not None:
+            from dsv41_jax.train.dspark import load_drafter_npz
+
+            try:
+                draft_model = load_drafter_npz(drafter, cfg)
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"--drafter {drafter}: {err}") from None
+        elif run is not None:
+            raise ConfigError("--speculative: a training run holds no DSpark drafter; give --drafter DRAFTER.npz "
+                              "(DSpark training's output) or sample from --ckpt / --hf-dir")
+        else:
+            draft_model = load_drafter(cfg, ckpt=ckpt, hf_dir=hf_dir)
         speculative = speculative or cfg.dspark.block_size
     try:  # before anything compiles: a prompt that cannot be generated from is the user's one-line error
         validate_prompts(batch, len(batch), cfg.vocab_size, max_seq_len)
@@ -69,7 +79,7 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
                                   stop_tokens=(cfg.eos_token_id,), prefill_mode=prefill_mode,
                                   prefill_chunk=prefill_chunk, speculative=speculative or 0)
         gen = Generator(loaded.model, device_engram(loaded.hasher), len(batch), max_seq_len, sampling, mesh=on,
-                        drafter=drafter)
+                        drafter=draft_model)
     except ValueError as err:
         flag = "--speculative" if isinstance(err, SpeculativeError) else "--ids" if ids else "--prompt"
         raise ConfigError(f"{flag}: {err}") from None

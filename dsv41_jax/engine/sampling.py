@@ -97,6 +97,8 @@ class Generator:
         self.state = state
         if sampling.speculative:
             check_speculative(model.cfg, sampling, drafter)
+            if mesh is not None:
+                raise SpeculativeError("speculative decoding runs on one device: the drafter is not placed on a mesh")
         dgraph, self.dstate = nnx.split(drafter) if sampling.speculative else (None, None)
         # (options of non-final chunks, options of the final chunk)
         self._chunk_options = (ChunkOptions(), ChunkOptions())

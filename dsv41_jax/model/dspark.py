@@ -59,15 +59,16 @@ def init_draft_cache(cfg: ModelConfig, batch: int) -> DraftCache:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class DraftKV:
-    """:class:`~dsv41_jax.model.kv_store.KVStore` of a draft block: each stage's ring is its window prefix; the
-    block's own keys are never kept (the rings hold target positions only)."""
+    """:class:`~dsv41_jax.model.kv_store.KVStore` of a draft block: each stage's keys of the target positions
+    before the block (its ring, or in training the window gathered before an anchor) are its window prefix; the
+    block's own keys are never kept."""
 
-    rings: tuple[C.RingCache, ...]
-    ring_pos: Int[Array, "B W"]
+    keys: tuple[Float[Array, "B W H"], ...]  # one per stage
+    pos: Int[Array, "B W"]  # position of each key (−1 = none)
     first_stage_layer: int = field(metadata=dict(static=True))
 
     def window(self, layer, dtype):
-        return C.read_ring(self.rings[layer.layer - self.first_stage_layer], dtype), self.ring_pos
+        return self.keys[layer.layer - self.first_stage_layer].astype(dtype), self.pos
 
     def write_window(self, layer, window_kv, vis):
         return self
@@ -142,25 +143,13 @@ class DSpark(nnx.Module):
         ``temperature`` 0 takes the argmax of each slot's logits; otherwise ``keys`` (one PRNG key per
         sequence) sample each slot from ``softmax(logits / temperature)``, the draft distribution q.
         """
-        cfg, d = self.cfg, self.cfg.dspark
-        b, k = anchor.shape[0], d.block_size
-        pos = cache.lengths[:, None] + jnp.arange(k)[None]
-        tokens = jnp.concatenate([anchor[:, None], jnp.full((b, k - 1), d.noise_token_id, anchor.dtype)], axis=1)
-        x, pre = target.streams(target.embed_tokens(tokens))
-        shared = Shared(DraftKV(cache.rings, C.ring_positions(cache.lengths, cfg.attention.window_size), cfg.n_layers))
-        vis = Visibility(pos)
-        for stage in self.mtp:
-            x, pre, shared, _ = stage(x, pre, shared, None, vis)
-        last = self.mtp[-1]
-        h = collapse(x, pre)  # [B, K, D], before the last stage's norm
-        base = jnp.einsum("bkd,vd->bkv", last.norm(h).astype(jnp.float32), target.head.weight[...].astype(jnp.float32),
-                          precision="highest")
-        m_embed = last.markov_head.embed.weight[...]
-        m_head = last.markov_head.head.weight[...].astype(jnp.float32)
-        ys, logits, conf_in = [anchor.astype(jnp.int32)], [], []
-        for i in range(k):  # the Markov chain: each slot's bias comes from the token before it
-            e = jnp.take(m_embed, ys[-1], axis=0).astype(jnp.float32)  # [B, r]
-            li = base[:, i] + jnp.einsum("br,vr->bv", e, m_head, precision="highest")
+        dt = jnp.dtype(self.cfg.dtype)
+        keys_before = tuple(C.read_ring(ring, dt) for ring in cache.rings)
+        h, base = self.block(target, anchor, cache.lengths, keys_before,
+                             C.ring_positions(cache.lengths, self.cfg.attention.window_size))
+        ys, logits, conf = [anchor.astype(jnp.int32)], [], []
+        for i in range(self.cfg.dspark.block_size):  # the Markov chain: each slot's bias from the token before it
+            li, ci = self.heads(base[:, i], h[:, i], ys[-1])
             if temperature == 0:
                 y = jnp.argmax(li, axis=-1).astype(jnp.int32)
             else:
@@ -168,10 +157,38 @@ class DSpark(nnx.Module):
                 y = jax.vmap(jax.random.categorical)(sub, li / temperature).astype(jnp.int32)
             ys.append(y)
             logits.append(li)
-            conf_in.append(jnp.concatenate([h[:, i].astype(jnp.float32), e], axis=-1))
-        conf = jnp.einsum("bkx,x->bk", jnp.stack(conf_in, 1),
+            conf.append(ci)
+        return Draft(jnp.stack(ys, 1), jnp.stack(logits, 1), jnp.stack(conf, 1))
+
+    def block(self, target: Transformer, anchor: Int[Array, "B"], start: Int[Array, "B"],
+              keys_before: tuple[Float[Array, "B W H"], ...], pos_before: Int[Array, "B W"]
+              ) -> tuple[Float[Array, "B K D"], Float[Array, "B K V"]]:
+        """The draft block ``[anchor, noise × (K−1)]`` at positions ``start + i`` through every stage, each seeing
+        its ``keys_before`` (at ``pos_before``, −1 = none) and the whole block. Returns the collapsed hidden
+        before the last stage's norm [B, K, D] and the base logits through the target's head [B, K, V] (fp32)."""
+        cfg, d = self.cfg, self.cfg.dspark
+        b, k = anchor.shape[0], d.block_size
+        tokens = jnp.concatenate([anchor[:, None], jnp.full((b, k - 1), d.noise_token_id, anchor.dtype)], axis=1)
+        x, pre = target.streams(target.embed_tokens(tokens))
+        shared = Shared(DraftKV(keys_before, pos_before, cfg.n_layers))
+        vis = Visibility(start[:, None] + jnp.arange(k)[None])
+        for stage in self.mtp:
+            x, pre, shared, _ = stage(x, pre, shared, None, vis)
+        h = collapse(x, pre)
+        base = jnp.einsum("bkd,vd->bkv", self.mtp[-1].norm(h).astype(jnp.float32),
+                          target.head.weight[...].astype(jnp.float32), precision="highest")
+        return h, base
+
+    def heads(self, base: Float[Array, "*B V"], h: Float[Array, "*B D"], prev: Int[Array, "*B"]
+              ) -> tuple[Float[Array, "*B V"], Float[Array, "*B"]]:
+        """A slot's logits (base plus the Markov bias of the token before it) and raw confidence logit."""
+        last = self.mtp[-1]
+        e = jnp.take(last.markov_head.embed.weight[...], prev, axis=0).astype(jnp.float32)  # [*B, r]
+        logits = base + jnp.einsum("...r,vr->...v", e, last.markov_head.head.weight[...].astype(jnp.float32),
+                                   precision="highest")
+        conf = jnp.einsum("...x,x->...", jnp.concatenate([h.astype(jnp.float32), e], axis=-1),
                           last.confidence_head.proj.weight[...][0].astype(jnp.float32), precision="highest")
-        return Draft(jnp.stack(ys, 1), jnp.stack(logits, 1), conf)
+        return logits, conf
 
 
 def abstract_drafter(cfg: ModelConfig) -> DSpark:

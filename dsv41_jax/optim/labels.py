@@ -49,7 +49,11 @@ _RULES: tuple[tuple[str, re.Pattern], ...] = tuple((label, re.compile(pattern)) 
     (MUON, _ANY + r"main_proj\.weight$"),
     (SINKHORN, r"^(?:embed|head)\.weight$"),
     (SINKHORN_ENGRAM, _ANY + r"engram\.embed\.weight$"),
-    (ADAMW, _ANY + r"(?:attn_norm|ffn_norm|q_norm|kv_norm|k_norm|norm)\.weight$"),
+    (ADAMW, _ANY + r"(?:attn_norm|ffn_norm|q_norm|kv_norm|k_norm|norm|main_norm)\.weight$"),
+    # DSpark heads, not in the §9.1 table [INF]: the Markov tables [V, r] as the embedding and head; the
+    # confidence head, a single output row [1, D + r] (Muon would only normalise it), as norm-like AdamW
+    (SINKHORN, _ANY + r"markov_head\.(?:embed|head)\.weight$"),
+    (ADAMW, _ANY + r"confidence_head\.proj\.weight$"),
     # Engram q/k weights are the RMSNorm weights of its gate's query and key [S]: decayed like norms [INF]
     (ADAMW, _ANY + r"engram\.(?:q_weight|k_weight)$"),
     (ADAMW_NO_DECAY, _ANY + r"hc_[a-z]+_(?:base|scale)$"),

@@ -22,6 +22,7 @@ from dsv41_jax.engine.prefill import check_ced_cut, default_ced_cut
 from dsv41_jax.engine.speculative import STATS, SpecState, speculative_step
 from dsv41_jax.engine.step import ChunkOptions, forward_chunk
 from dsv41_jax.engram_device import DeviceEngram, advance_history, device_history_init, device_row_ids
+from dsv41_jax.engram_hash import DEAD
 from dsv41_jax.model.dspark import DraftCache, DSpark, init_draft_cache
 from dsv41_jax.model.moe import expert_parallel
 from dsv41_jax.model.transformer import Transformer
@@ -46,6 +47,20 @@ class SamplingConfig:
     sps: tuple[float, ...] = ()
 
 
+class RowSampling(NamedTuple):
+    """Sampling settings per sequence, as arrays: one compiled decode serves any mix of requests."""
+
+    temperature: Float[Array, "B"]  # 0 = greedy
+    top_k: Int[Array, "B"]  # 0 = off
+    top_p: Float[Array, "B"]  # 1 = off
+    max_new: Int[Array, "B"]  # tokens to generate
+
+    @classmethod
+    def of(cls, cfg: SamplingConfig, batch: int) -> RowSampling:
+        return cls(jnp.full((batch,), cfg.temperature, jnp.float32), jnp.full((batch,), cfg.top_k, jnp.int32),
+                   jnp.full((batch,), cfg.top_p, jnp.float32), jnp.full((batch,), cfg.max_new_tokens, jnp.int32))
+
+
 def sample_logits(logits: Float[Array, "B V"], keys: Array, cfg: SamplingConfig) -> Int[Array, "B"]:
     """Greedy, or temperature sampling restricted to the top-k and the top-p nucleus (per-sequence keys)."""
     if cfg.temperature == 0:
@@ -53,19 +68,40 @@ def sample_logits(logits: Float[Array, "B V"], keys: Array, cfg: SamplingConfig)
     return jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, cfg)).astype(jnp.int32)
 
 
+def sample_rows(logits: Float[Array, "B V"], keys: Array, rows: RowSampling) -> Int[Array, "B"]:
+    """:func:`sample_logits` with each sequence's own settings (greedy where its temperature is 0)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    hot = rows.temperature > 0
+
+    def draw():
+        return jax.vmap(jax.random.categorical)(keys, filtered_rows(logits, rows)).astype(jnp.int32)
+
+    return jnp.where(hot, jax.lax.cond(hot.any(), draw, lambda: greedy), greedy)
+
+
 def filtered_logits(logits: Float[Array, "B V"], cfg: SamplingConfig) -> Float[Array, "B V"]:
     """The logits of the distribution a request samples from: temperature, then top-k and top-p (−∞ outside)."""
-    logits = logits.astype(jnp.float32) / cfg.temperature
-    if cfg.top_k:
-        kth = jax.lax.top_k(logits, cfg.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if cfg.top_p < 1.0:
-        order = jnp.argsort(-logits, axis=-1)
-        probs = jax.nn.softmax(jnp.take_along_axis(logits, order, -1), axis=-1)
-        cut = jnp.cumsum(probs, axis=-1) - probs >= cfg.top_p  # keep the smallest prefix reaching top_p
-        masked = jnp.where(cut, -jnp.inf, jnp.take_along_axis(logits, order, -1))
-        logits = jnp.zeros_like(logits).at[jnp.arange(logits.shape[0])[:, None], order].set(masked)
-    return logits
+    if not cfg.top_k and cfg.top_p >= 1.0:
+        return logits.astype(jnp.float32) / cfg.temperature
+    return filtered_rows(logits, RowSampling.of(cfg, logits.shape[0]))
+
+
+def filtered_rows(logits: Float[Array, "B V"], rows: RowSampling) -> Float[Array, "B V"]:
+    """:func:`filtered_logits` per sequence: its temperature (0 counts as 1), its top-k (ties broken lower index
+    first, as ``lax.top_k``), then the smallest prefix whose probability reaches its top-p."""
+    scaled = logits.astype(jnp.float32) / jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+
+    def restrict():
+        order = jnp.argsort(-scaled, axis=-1, stable=True)  # [B, V] descending, lower index first among ties
+        ranked = jnp.take_along_axis(scaled, order, -1)
+        rank = jnp.arange(scaled.shape[-1])[None]
+        ranked = jnp.where((rows.top_k[:, None] <= 0) | (rank < rows.top_k[:, None]), ranked, -jnp.inf)
+        probs = jax.nn.softmax(ranked, axis=-1)
+        keep = (jnp.cumsum(probs, axis=-1) - probs < rows.top_p[:, None]) | (rows.top_p[:, None] >= 1.0)
+        masked = jnp.where(keep, ranked, -jnp.inf)
+        return jnp.zeros_like(scaled).at[jnp.arange(scaled.shape[0])[:, None], order].set(masked)
+
+    return jax.lax.cond(((rows.top_k > 0) | (rows.top_p < 1.0)).any(), restrict, lambda: scaled)
 
 
 class DecodeState(NamedTuple):
@@ -75,21 +111,39 @@ class DecodeState(NamedTuple):
     n_seen: Array  # [B]
     done: Array  # [B] bool
     keys: Array  # [B] per-sequence PRNG keys
-    step: Array  # scalar
+    step: Array  # [B] tokens generated so far
+    rows: RowSampling
     draft: DraftCache | None = None  # the DSpark drafter's rings, with speculative decoding
 
 
+class Block(NamedTuple):
+    """What one compiled decode block produced, per sequence and step (−1 / 0 once a sequence has stopped)."""
+
+    tokens: Int[Array, "B N"]
+    logprobs: Float[Array, "B N"]  # the model's log-softmax at each token
+    top_ids: Int[Array, "B N K"]  # the K most likely ids (K = Generator.top_logprobs) ...
+    top_logprobs: Float[Array, "B N K"]  # ... and their log-probabilities
+
+
 class Generator:
-    """Compiled prefill and decode for one model, batch size and ``max_seq_len``."""
+    """Compiled prefill and decode for one model, batch size and ``max_seq_len``.
+
+    :meth:`generate` / :meth:`stream` run one fixed batch. A server keeps one :class:`DecodeState` for the
+    batch's rows and calls :meth:`admit` (prefill new sequences into free rows, the running ones untouched)
+    and :meth:`decode` (one compiled block over every row) in turn: sequences join and leave between blocks.
+    """
 
     def __init__(self, model: Transformer, tables: DeviceEngram, batch: int, max_seq_len: int,
-                 sampling: SamplingConfig, mesh: jax.sharding.Mesh | None = None, drafter: DSpark | None = None):
+                 sampling: SamplingConfig, mesh: jax.sharding.Mesh | None = None, drafter: DSpark | None = None,
+                 top_logprobs: int = 0):
         """``mesh``: place the weights by the sharding table (experts over ``expert``, ...), split the
         sequences over ``data``×``expert`` where the batch divides, and run MoE layers expert-parallel.
         ``drafter`` with ``sampling.speculative`` > 0: speculative decoding (``engine.speculative``); the
-        acceptance counts of the last generation are in :attr:`stats`."""
+        acceptance counts of the last generation are in :attr:`stats`. ``top_logprobs``: how many most likely
+        ids each plain decode step also reports (:class:`Block`)."""
         self.cfg, self.tables, self.batch = model.cfg, tables, batch
-        self.max_seq_len, self.sampling, self.mesh = max_seq_len, sampling, mesh
+        self.max_seq_len, self.sampling, self.mesh, self.top_logprobs = max_seq_len, sampling, mesh, top_logprobs
+        self.token_map = np.asarray(tables.token_map)
         self.stats: dict[str, np.ndarray] = {}
         graphdef, state = nnx.split(model)
         if mesh is not None:
@@ -111,12 +165,13 @@ class Generator:
         elif sampling.prefill_mode != "exact":
             raise ValueError(f"prefill_mode must be 'exact' or 'ced', got {sampling.prefill_mode!r}")
 
-        def prefill_chunk(state, dstate, cache, dcache, history, n_seen, tokens, n_new, opts):
+        def prefill_chunk(state, dstate, cache, dcache, history, n_seen, tokens, n_new, replay_start, write_floor,
+                          opts):
             rows, _, _ = device_row_ids(tables, history, n_seen, tokens)  # padding rows: computed, never used
             observe = dstate is not None and opts.skip_from is None  # the drafter sees the rows that reach it
             with expert_parallel(mesh):
-                out = forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, n_new,
-                                    options=opts._replace(main_hidden=observe))
+                out = forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, n_new, replay_start=replay_start,
+                                    write_floor=write_floor, options=opts._replace(main_hidden=observe))
             if observe:
                 f = out[2]
                 dcache = nnx.merge(dgraph, dstate).observe(dcache, f.main_hidden, f.pos, f.valid)
@@ -130,29 +185,36 @@ class Generator:
             with expert_parallel(mesh):
                 return self._speculative_block(nnx.merge(graphdef, state), nnx.merge(dgraph, dstate), s)
 
-        self._prefill = jax.jit(prefill_chunk, static_argnums=8)
-        self._decode = jax.jit(decode_block)
+        self._prefill = jax.jit(prefill_chunk, static_argnums=10)
+        self._decode = jax.jit(decode_block, donate_argnums=1)
         self._speculative = jax.jit(speculative_block)
 
-    def _decode_block(self, model: Transformer, s: DecodeState):
-        cfg, b = self.sampling, self.batch
-        stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
+    def _decode_block(self, model: Transformer, s: DecodeState) -> tuple[DecodeState, Block]:
+        stop = jnp.asarray(self.sampling.stop_tokens or (-1,), jnp.int32)
+        b, n, k = self.batch, self.sampling.block, self.top_logprobs
 
         def body(i, carry):
             s, out = carry
-            keys = jax.vmap(jax.random.fold_in, (0, None))(s.keys, s.step)
-            token = jnp.where(s.done, -1, sample_logits(s.logits, keys, cfg))
+            keys = jax.vmap(jax.random.fold_in)(s.keys, s.step)
+            token = jnp.where(s.done, -1, sample_rows(s.logits, keys, s.rows))
             fed = jnp.maximum(token, 0)
+            logp = jax.nn.log_softmax(s.logits.astype(jnp.float32), axis=-1)
+            top_lp, top_ids = jax.lax.top_k(logp, k)
             rows, history, n_seen = device_row_ids(self.tables, s.history, s.n_seen, fed[:, None])
             n_new = (~s.done).astype(jnp.int32)
             logits, cache = forward_chunk(model, s.cache, fed[:, None], rows, n_new)
             done = s.done | jnp.isin(token, stop) | (cache.lengths >= self.max_seq_len)
-            done = done | (s.step + 1 >= cfg.max_new_tokens)
-            s = DecodeState(cache, logits, jnp.where(s.done[:, None], s.history, history),
-                            jnp.where(s.done, s.n_seen, n_seen), done, s.keys, s.step + 1, s.draft)
-            return s, out.at[:, i].set(token)
+            done = done | (s.step + 1 >= s.rows.max_new)
+            s = s._replace(cache=cache, logits=logits, history=jnp.where(s.done[:, None], s.history, history),
+                           n_seen=jnp.where(s.done, s.n_seen, n_seen), done=done, step=s.step + n_new)
+            out = Block(out.tokens.at[:, i].set(token),
+                        out.logprobs.at[:, i].set(jnp.take_along_axis(logp, fed[:, None], -1)[:, 0]),
+                        out.top_ids.at[:, i].set(top_ids), out.top_logprobs.at[:, i].set(top_lp))
+            return s, out
 
-        return jax.lax.fori_loop(0, cfg.block, body, (s, jnp.full((b, cfg.block), -1, jnp.int32)))
+        out = Block(jnp.full((b, n), -1, jnp.int32), jnp.zeros((b, n), jnp.float32),
+                    jnp.zeros((b, n, k), jnp.int32), jnp.zeros((b, n, k), jnp.float32))
+        return jax.lax.fori_loop(0, n, body, (s, out))
 
     def _speculative_block(self, model: Transformer, drafter: DSpark, s: SpecState):
         cfg, k = self.sampling, self.sampling.speculative
@@ -168,36 +230,70 @@ class Generator:
 
         return jax.lax.fori_loop(0, cfg.block, body, (s, jnp.full((self.batch, cfg.block, k + 1), -1, jnp.int32)))
 
-    def prefill(self, prompts: list[list[int]]) -> DecodeState:
-        """Chunked prefill of ragged prompts (token ids); validates them first.
-
-        Prompts are right-aligned on the chunk grid, so every sequence ends in the final chunk: CED runs the
-        layers after its cut only there, on each sequence's last ``window`` tokens.
-        """
-        validate_prompts(prompts, self.batch, self.cfg.vocab_size, self.max_seq_len)
-        lengths = np.array([len(p) for p in prompts])
-        chunk = self.sampling.prefill_chunk
-        n_chunks = -(-int(lengths.max()) // chunk)
+    def empty(self) -> DecodeState:
+        """A state whose every row is free (done)."""
         cache = C.init_cache(self.cfg, self.batch, self.max_seq_len)
         if self.mesh is not None:
             cache = jax.device_put(cache, named_shardings(self.mesh, C.cache_partition_specs(cache, self.mesh,
                                                                                       batch_axis=SERVE_BATCH)))
         history, n_seen = device_history_init(self.tables, self.batch)
         dcache = init_draft_cache(self.cfg, self.batch) if self.dstate is not None else None
-        logits = None
+        return DecodeState(cache, jnp.zeros((self.batch, self.cfg.vocab_size), jnp.float32), history, n_seen,
+                           jnp.ones((self.batch,), bool), jax.random.split(jax.random.key(0), self.batch),
+                           jnp.zeros((self.batch,), jnp.int32), RowSampling.of(self.sampling, self.batch), dcache)
+
+    def prefill(self, prompts: list[list[int]]) -> DecodeState:
+        """Chunked prefill of ragged prompts (token ids) into a fresh state; validates them first."""
+        validate_prompts(prompts, self.batch, self.cfg.vocab_size, self.max_seq_len)
+        return self.admit(self.empty(), [Admission(i, p) for i, p in enumerate(prompts)])
+
+    def admit(self, s: DecodeState, admissions: list[Admission]) -> DecodeState:
+        """Prefill each admission's ``tokens[start:]`` into its row; the other rows are left as they are.
+
+        A row's cache must already hold its global KV below ``start`` (and its SWA ring, unless the admission
+        replays). Feeds are right-aligned on the chunk grid, so every sequence ends in the final chunk: CED
+        runs the layers after its cut only there, on each sequence's last ``window`` tokens. The admitted rows
+        get their sampling settings (default: the generator's), their key, step 0, and are not done.
+        """
+        b, chunk = self.batch, self.sampling.prefill_chunk
+        mask, feed = np.zeros(b, bool), np.zeros(b, np.int64)
+        start, floor, replay = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        history, n_seen = np.asarray(s.history).copy(), np.asarray(s.n_seen).copy()
+        for a in admissions:
+            mask[a.row], start[a.row], feed[a.row] = True, a.start, len(a.tokens) - a.start
+            if a.replay_hit is not None:
+                replay[a.row], floor[a.row] = a.start, a.replay_hit
+            history[a.row], n_seen[a.row] = self.history_before(a.tokens, a.start), a.start
+        m = jnp.asarray(mask)
+        cache = s.cache._replace(lengths=jnp.where(m, jnp.asarray(start), s.cache.lengths))
+        history, n_seen, dcache, logits = jnp.asarray(history), jnp.asarray(n_seen), s.draft, s.logits
+        n_chunks = -(-int(feed.max()) // chunk)
         for k in range(n_chunks):
-            hi = lengths - (n_chunks - 1 - k) * chunk  # exclusive end of each row's slice in this chunk
+            hi = feed - (n_chunks - 1 - k) * chunk  # exclusive end of each row's slice of its feed in this chunk
             lo = np.maximum(hi - chunk, 0)
-            n_new = np.maximum(hi - lo, 0)
-            tokens = np.zeros((self.batch, chunk), np.int32)
-            for i, p in enumerate(prompts):
-                tokens[i, : n_new[i]] = p[lo[i]: lo[i] + n_new[i]]
-            opts = self._chunk_options[k == n_chunks - 1]
-            logits, cache, dcache, history, n_seen = self._prefill(
+            n_new = np.where(mask, np.maximum(hi - lo, 0), 0)
+            tokens = np.zeros((b, chunk), np.int32)
+            for a in admissions:
+                j = a.start + lo[a.row]
+                tokens[a.row, : n_new[a.row]] = a.tokens[j: j + n_new[a.row]]
+            new, cache, dcache, history, n_seen = self._prefill(
                 self.state, self.dstate, cache, dcache, history, n_seen, jnp.asarray(tokens),
-                jnp.asarray(n_new, jnp.int32), opts)
-        return DecodeState(cache, logits, history, n_seen, jnp.zeros((self.batch,), bool),
-                           jax.random.split(jax.random.key(0), self.batch), jnp.int32(0), dcache)
+                jnp.asarray(n_new, jnp.int32), jnp.asarray(replay), jnp.asarray(floor),
+                self._chunk_options[k == n_chunks - 1])
+            if k == n_chunks - 1:
+                logits = jnp.where(m[:, None], new, logits)
+        keys, rows = s.keys, s.rows
+        for a in admissions:
+            keys = keys.at[a.row].set(jax.random.split(jax.random.key(a.seed), a.key_rows)[a.key_index])
+            if a.sampling is not None:
+                rows = RowSampling(*(x.at[a.row].set(v) for x, v in zip(rows, a.sampling, strict=True)))
+        return DecodeState(cache, logits, history, n_seen, s.done & ~m, keys, jnp.where(m, 0, s.step), rows, dcache)
+
+    def history_before(self, tokens: list[int], start: int) -> np.ndarray:
+        """The Engram history before position ``start`` of ``tokens``: the last J-1 compressed ids, DEAD before 0."""
+        pos = np.arange(start - (self.tables.mult_limbs.shape[-2] - 1), start)
+        ids = np.asarray(tokens, np.int64)[np.maximum(pos, 0)]
+        return np.where(pos >= 0, self.token_map[ids], DEAD).astype(np.int32)
 
     def stream(self, prompts: list[list[int]], seed: int = 0, speculative: bool = True) -> Iterator[np.ndarray]:
         """Yields [B, n] new tokens (−1 = none: finished, or not emitted by a speculative step) block by block
@@ -214,8 +310,12 @@ class Generator:
 
     def decode_block(self, s: DecodeState) -> tuple[DecodeState, np.ndarray]:
         """``block`` compiled plain decode steps: the state and the new tokens [B, block] (−1 = finished)."""
-        s, out = self._decode(self.state, s)
-        return s, np.asarray(out)
+        s, out = self.decode(s)
+        return s, np.asarray(out.tokens)
+
+    def decode(self, s: DecodeState) -> tuple[DecodeState, Block]:
+        """``block`` compiled plain decode steps over every row (done rows stay as they are), on the device."""
+        return self._decode(self.state, s)
 
     def _stream_speculative(self, s: DecodeState) -> Iterator[np.ndarray]:
         spec = self.start_speculative(s)
@@ -225,10 +325,11 @@ class Generator:
 
     def start_speculative(self, s: DecodeState) -> SpecState:
         """Speculative decoding's state after a prefill: the pending token sampled from the prefill's logits."""
-        keys = jax.vmap(jax.random.fold_in, (0, None))(s.keys, s.step)  # plain decoding's first draw
+        keys = jax.vmap(jax.random.fold_in)(s.keys, s.step)  # plain decoding's first draw
         token = sample_logits(s.logits, keys, self.sampling)
         zeros = jnp.zeros((self.batch,), jnp.int32)
-        return SpecState(s.cache, s.draft, token, s.history, s.n_seen, s.done, s.keys, s.step + 1, zeros,
+        step = jnp.max(s.step) + 1  # after a prefill every row is at step 0: one scalar step for the batch
+        return SpecState(s.cache, s.draft, token, s.history, s.n_seen, s.done, s.keys, step, zeros,
                          jnp.zeros((self.batch, len(STATS)), jnp.int32))
 
     def speculative_block(self, spec: SpecState) -> tuple[SpecState, np.ndarray]:
@@ -247,6 +348,25 @@ class Generator:
             for i, row in enumerate(block):
                 outs[i].extend(int(t) for t in row if t >= 0)
         return outs
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A sequence entering row ``row``: its tokens are fed from ``start`` (its cache row holds what is before).
+
+    ``replay_hit``: the row holds global KV below this position only; ``start`` is ``replay_hit − window`` and
+    the window state is rebuilt by encoder bounded replay (spec attention §9.4). The row's PRNG key is
+    ``split(key(seed), key_rows)[key_index]``, as row ``key_index`` of a batch of ``key_rows`` in :meth:`stream`.
+    """
+
+    row: int
+    tokens: list[int]
+    start: int = 0
+    replay_hit: int | None = None
+    sampling: tuple | None = None  # (temperature, top_k, top_p, max_new) of this row
+    seed: int = 0
+    key_rows: int = 1
+    key_index: int = 0
 
 
 class SpeculativeError(ValueError):

@@ -150,7 +150,26 @@ def _cmd_sample(args) -> int:
            max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, temperature=args.temperature,
            top_k=args.top_k, top_p=args.top_p, seed=args.seed, prefill_mode=args.prefill_mode,
            prefill_chunk=args.prefill_chunk, dtype=args.dtype, show_ids=args.show_ids, mesh=args.mesh,
-           speculative=args.speculative, drafter=args.drafter)
+           speculative=args.speculative, drafter=args.drafter, sps=args.sps)
+    return 0
+
+
+def _cmd_profile_sps(args) -> int:
+    """Measure the target's verify steps per second by chunk width: the table of confidence-scheduled verify."""
+    import json
+    from pathlib import Path
+
+    from dsv41_jax.checkpoint.load import load_model
+    from dsv41_jax.engine.speculative import profile_sps
+    from dsv41_jax.engram_device import device_engram
+
+    loaded = load_model(run=args.run, ckpt=args.ckpt, hf_dir=args.hf_dir, dtype=args.dtype)
+    drafts = args.drafts or loaded.model.cfg.dspark.block_size
+    table = profile_sps(loaded.model, device_engram(loaded.hasher), args.batch, drafts, context=args.context)
+    Path(args.out).write_text(json.dumps(table, indent=1))
+    for w, r in zip(table["widths"], table["steps_per_s"], strict=True):
+        print(f"batch {args.batch} x {w} verify rows: {r:9.1f} steps/s")
+    print(f"wrote {args.out} (dsv41 sample --speculative dspark --sps {args.out})")
     return 0
 
 
@@ -273,8 +292,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default its block size); prints the acceptance counts")
     p.add_argument("--drafter", help="with --speculative: a drafter.npz written by DSpark training (dsv41 train "
                    "--config configs/dspark_tiny.yaml) instead of the checkpoint's own mtp.* stages")
+    p.add_argument("--sps", help="with --speculative: the table dsv41 profile-sps wrote; each step's verify lengths "
+                   "are then chosen from the drafter's confidences (spec §8.4) instead of a fixed K")
     _add_mesh(p)
     p.set_defaults(fn=_cmd_sample)
+    p = sub.add_parser("profile-sps", help="the target's speculative verify steps per second by chunk width (the "
+                       "table of confidence-scheduled verification)")
+    _add_checkpoint_source(p, run=True)
+    p.add_argument("--batch", type=A.at_least(1), default=1)
+    p.add_argument("--drafts", type=A.at_least(0), default=0, help="largest drafts per step (0: the block size)")
+    p.add_argument("--context", type=A.at_least(1), default=256, help="tokens in the cache before the verify")
+    p.add_argument("--dtype", "--precision", dest="dtype", default="bfloat16", type=_precision)
+    p.add_argument("--out", default="sps.json")
+    p.set_defaults(fn=_cmd_profile_sps)
     p = sub.add_parser("train", help="pre-train from a YAML run config (model, optim, mesh, data, checkpoint)")
     p.add_argument("--config", required=True, help="run config: a YAML file, or a shipped one by name "
                    "(pretrain_tiny, qat_tiny, v41_flash_pretrain; configs/NAME.yaml works from any directory)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from tokenizers import Tokenizer
 
@@ -42,7 +43,8 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
            prefill_mode: str = "exact", prefill_chunk: int = 512, dtype: str = "bfloat16",
            show_ids: bool = False, mesh: str | None = None, speculative: int | None = None,
-           drafter: str | os.PathLike | None = None, log: Callable[[str], None] = _print) -> list[list[int]]:
+           drafter: str | os.PathLike | None = None, sps: str | os.PathLike | None = None,
+           log: Callable[[str], None] = _print) -> list[list[int]]:
     """Sample continuations of text ``prompts`` (or token-id prompts ``ids``) from one checkpoint source.
 
     Each block's new text is logged as ``[row] text``; with ``show_ids`` each row's generated ids follow as
@@ -50,7 +52,8 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
     ``mesh`` (``--mesh``): the weights sharded by the sharding table, sequences split over data × expert.
     ``speculative`` (``--speculative dspark[:K]``): speculative decoding with the checkpoint's DSpark drafter,
     ``K`` drafts per step (0: its block size); the acceptance counts are logged at the end. ``drafter``: a
-    ``drafter.npz`` that DSpark training wrote (``dsv41 train`` of a ``dspark_train`` config) instead.
+    ``drafter.npz`` that DSpark training wrote (``dsv41 train`` of a ``dspark_train`` config) instead. ``sps``:
+    the steps-per-second table of ``dsv41 profile-sps``: confidence-scheduled verify lengths.
     """
     loaded, on = load_for_serving(mesh, run=run, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype, log=log)
     if loaded.step is not None:
@@ -73,11 +76,19 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
         else:
             draft_model = load_drafter(cfg, ckpt=ckpt, hf_dir=hf_dir)
         speculative = speculative or cfg.dspark.block_size
+    table = ()
+    if sps is not None:
+        import json
+
+        try:
+            table = tuple(float(x) for x in json.loads(Path(sps).read_text())["sps"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"--sps {sps}: not a table written by dsv41 profile-sps ({err})") from None
     try:  # before anything compiles: a prompt that cannot be generated from is the user's one-line error
         validate_prompts(batch, len(batch), cfg.vocab_size, max_seq_len)
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                                   stop_tokens=(cfg.eos_token_id,), prefill_mode=prefill_mode,
-                                  prefill_chunk=prefill_chunk, speculative=speculative or 0)
+                                  prefill_chunk=prefill_chunk, speculative=speculative or 0, sps=table)
         gen = Generator(loaded.model, device_engram(loaded.hasher), len(batch), max_seq_len, sampling, mesh=on,
                         drafter=draft_model)
     except ValueError as err:

@@ -38,19 +38,29 @@ def score_inputs(model: Transformer, hasher: EngramHasher, inputs, mesh: jax.sha
     detail for the first tag only, as the reference dumps. A tag that also has ``<tag>_decode_input_ids`` and
     ``<tag>_decode_next_ids`` runs the decode protocol too (:func:`decode_outputs`, with the ``drafter`` where
     given). Raises ``ValueError`` when there is no ``<tag>_ids`` array."""
-    tags = [k.removesuffix("_ids") for k in inputs.files if k.endswith("_ids") and not k.endswith(DECODE_ARRAYS)]
+    ours: dict[str, np.ndarray] = {}
+    tags = input_tags(inputs.files)
+    for tag, decode in tags.items():
+        ours |= prefill_outputs(model, hasher, inputs[f"{tag}_ids"], tag, layers_detail=tag == next(iter(tags)),
+                                mesh=mesh)
+        if decode:
+            ours |= decode_outputs(model, hasher, drafter, inputs[f"{tag}_ids"], *(inputs[k] for k in decode), tag)
+    return ours
+
+
+def input_tags(files: list[str]) -> dict[str, tuple[str, ...]]:
+    """``{tag: decode-protocol arrays (none or both)}`` of every ``<tag>_ids`` array, in file order; a
+    ``ValueError`` when there is none or a tag has only one of ``DECODE_ARRAYS``."""
+    tags = {k.removesuffix("_ids"): () for k in files if k.endswith("_ids") and not k.endswith(DECODE_ARRAYS)}
     if not tags:
         raise ValueError("no '<tag>_ids' arrays found")
-    ours: dict[str, np.ndarray] = {}
     for tag in tags:
-        ours |= prefill_outputs(model, hasher, inputs[f"{tag}_ids"], tag, layers_detail=tag == tags[0], mesh=mesh)
-        decode = [f"{tag}{suffix}" for suffix in DECODE_ARRAYS]
-        if any(k in inputs.files for k in decode):
-            if not all(k in inputs.files for k in decode):
-                raise ValueError(f"the decode protocol of {tag!r} needs both {decode[0]} and {decode[1]}")
-            ours |= decode_outputs(model, hasher, drafter, inputs[f"{tag}_ids"], inputs[decode[0]], inputs[decode[1]],
-                                   tag)
-    return ours
+        decode = tuple(f"{tag}{suffix}" for suffix in DECODE_ARRAYS)
+        present = [k in files for k in decode]
+        if any(present) and not all(present):
+            raise ValueError(f"the decode protocol of {tag!r} needs both {decode[0]} and {decode[1]}")
+        tags[tag] = decode if all(present) else ()
+    return tags
 
 
 def prefill_outputs(model: Transformer, hasher: EngramHasher, ids: np.ndarray, tag: str,

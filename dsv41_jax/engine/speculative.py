@@ -180,3 +180,47 @@ def speculative_step(model: Transformer, drafter: DSpark, tables: DeviceEngram, 
     out = jnp.where(kept, tokens, -1)
     return SpecState(cache, dcache, nxt, history, n_seen, done, s.keys, s.step + 1, emitted, stats), out
 
+
+
+def profile_sps(model: Transformer, tables: DeviceEngram, batch: int, max_drafts: int, *, context: int = 256,
+                repeats: int = 5, seed: int = 0) -> dict:
+    """The target's verify steps per second at ``batch`` requests, for chunks of ``w`` = 1 .. ``max_drafts`` + 1
+    rows per request after a ``context``-token prefill (random ids): what :func:`schedule_verify`'s table is
+    made of. Returns ``{"batch", "context", "widths", "steps_per_s", "sps"}`` with ``sps[n]`` the steps per
+    second at ``n`` verified tokens in the batch (a chunk of ⌈n / batch⌉ rows per request)."""
+    import time
+
+    import numpy as np
+    from flax import nnx
+
+    from dsv41_jax.engram_device import device_history_init
+
+    cfg = model.cfg
+    graphdef, state = nnx.split(model)
+    ratio = max((cfg.attention.compress_ratios[layer] for layer in cfg.attention.kv_source_layers), default=1)
+    cache = C.init_cache(cfg, batch, -(-(context + max_drafts + 1) // ratio) * ratio)
+    history, n_seen = device_history_init(tables, batch)
+    options = ChunkOptions(all_logits=True, main_hidden=True, row_carries=True)
+
+    @jax.jit
+    def verify(state, cache, history, n_seen, tokens):
+        rows, _, _ = device_row_ids(tables, history, n_seen, tokens)
+        n_new = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+        return forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, n_new, options=options)
+
+    rng = np.random.default_rng(seed)
+    ids = jnp.asarray(rng.integers(4, cfg.vocab_size, (batch, context)), jnp.int32)
+    _, cache, *_ = verify(state, cache, history, n_seen, ids)
+    history, n_seen = advance_history(tables, history, n_seen, ids, jnp.full((batch,), context, jnp.int32))
+    widths, rates = list(range(1, max_drafts + 2)), []
+    for w in widths:
+        tokens = jnp.asarray(rng.integers(4, cfg.vocab_size, (batch, w)), jnp.int32)
+        jax.block_until_ready(verify(state, cache, history, n_seen, tokens))  # compile
+        times = []
+        for _ in range(repeats):
+            tick = time.perf_counter()
+            jax.block_until_ready(verify(state, cache, history, n_seen, tokens))
+            times.append(time.perf_counter() - tick)
+        rates.append(1.0 / float(np.median(times)))
+    sps = [rates[max(1, -(-n // batch)) - 1] for n in range(batch * widths[-1] + 1)]
+    return {"batch": batch, "context": context, "widths": widths, "steps_per_s": rates, "sps": sps}

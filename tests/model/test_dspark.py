@@ -59,3 +59,18 @@ def test_check_golden_judges_the_written_file(decoded, golden_dir, tmp_path):
     res = json.loads(out)
     assert set(res["groups"]) == {"decode_logits", "dspark_logits"}
     assert res["checks"]["robust"], res
+
+
+def test_score_finds_the_decode_protocol_of_each_tag(golden_dir, tmp_path):
+    from dsv41_jax.checkpoint.load import CheckpointUnreadable, load_drafter
+    from dsv41_jax.scoring import input_tags
+
+    files = ["batch1_ids", "batch2_ids", "batch1_decode_input_ids", "batch1_decode_next_ids", "engram_token_map"]
+    assert input_tags(files) == {"batch1": ("batch1_decode_input_ids", "batch1_decode_next_ids"), "batch2": ()}
+    with pytest.raises(ValueError, match="needs both"):
+        input_tags(["batch1_ids", "batch1_decode_input_ids"])
+    with pytest.raises(ValueError, match="no '<tag>_ids'"):
+        input_tags(["batch1_decode_input_ids", "batch1_decode_next_ids"])
+    model, _ = model_from_hf(golden_dir / "tiny_hf")
+    with pytest.raises(CheckpointUnreadable, match="DSpark drafter"):
+        load_drafter(model.cfg, hf_dir=tmp_path)

@@ -244,7 +244,7 @@ def test_unknown_key_names_key_and_file(tmp_path, text, key):
     ("attention: {compress_ratios: [0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 0, 0, 0.5]}\n", "attention.compress_ratios"),
     ("attention: {rope_theta: ten}\n", "attention.rope_theta"),  # string for float
     ("attention: {rope_theta: false}\n", "attention.rope_theta"),  # bool for float
-    ("norm_eps: 1e-20\n", "norm_eps"),  # YAML 1.1 reads this as a string
+    ("norm_eps: 1e\n", "norm_eps"),  # not a number: stays a string, refused for a float
     ("moe: {norm_topk_prob: 1}\n", "moe.norm_topk_prob"),  # int for bool
     ("moe: {score_func: 3}\n", "moe.score_func"),  # int for str
     ("attention: 5\n", "attention"),  # scalar for a sub-config
@@ -257,6 +257,15 @@ def test_wrong_type_names_key(tmp_path, text, key):
 def test_wrong_type_without_file_names_key():
     with pytest.raises(C.ConfigError, match=re.escape("attention.kv_source_layers")):
         C.from_dict({"preset": "tiny", "attention": {"kv_source_layers": ["2", "4", "6"]}})
+
+
+@pytest.mark.parametrize("text, value", [("1e-20", 1e-20), ("2E5", 2e5), ("+3e+2", 300.0), (".5e1", 5.0),
+                                         ("1.0e-20", 1e-20), ("7e0", 7.0)])
+def test_floats_without_a_point_are_numbers(tmp_path, text, value):
+    # YAML 1.1 (PyYAML's safe_load) reads `1e-20` as the string '1e-20'; the config files read it as 1.2 does
+    assert C.load_yaml(_write(tmp_path, f"preset: tiny\nnorm_eps: {text}\n")).norm_eps == value
+    assert C.parse_value(text) == value and C.parse_value("-3e+2") == -300.0
+    assert C.parse_value("1e") == "1e" and C.parse_value("e5") == "e5" and C.parse_value("1_000") == 1000
 
 
 def test_float_accepts_int():

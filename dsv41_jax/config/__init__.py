@@ -13,6 +13,7 @@ from dsv41_jax.config.loaders import (
     from_dict,
     from_hf,
     load_yaml,
+    parse_value,
     read_yaml,
     to_dict,
     to_hf,
@@ -37,6 +38,7 @@ from dsv41_jax.config.schema import (
 __all__ = [
     "KERNEL_BACKENDS", "PRESETS", "AttentionConfig", "CacheQuant", "ConfigError", "DSparkConfig",
     "EngramConfig", "MHCConfig", "ModelConfig", "MoEConfig", "VisionConfig", "build_dataclass", "check_type",
-    "fail", "from_dict", "from_hf", "get_preset", "load_yaml", "read_yaml", "tiny", "to_dict", "to_hf",
+    "fail", "from_dict", "from_hf", "get_preset", "load_yaml", "parse_value",
+    "read_yaml", "tiny", "to_dict", "to_hf",
     "to_hf_json", "v41_flash", "validate",
 ]

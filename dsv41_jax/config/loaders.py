@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -92,7 +93,9 @@ def from_dict(data: dict, source: str | None = None, prefix: str = "") -> ModelC
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """``safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+    """``safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last one silently) and
+    reads ``1e-3`` as a number: YAML 1.1's float pattern wants a decimal point and a signed exponent, so
+    PyYAML returns ``1e-3`` and ``2E5`` as strings; YAML 1.2 (and every other reader) takes them as floats."""
 
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
@@ -103,6 +106,17 @@ class _StrictLoader(yaml.SafeLoader):
                                   f"{seen[key]}); a config keeps one value per key")
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.2's float (core schema) besides 1.1's: a mantissa with or without a point, an exponent with or
+# without a sign. Registered on the resolver's first characters as PyYAML's own float resolver is.
+_FLOAT_12 = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)$")
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+.0123456789"))
+
+
+def parse_value(text: str) -> Any:
+    """One YAML value as the config files read it (``key=value`` overrides): ``3``, ``1e-3``, ``[1, 2]``."""
+    return yaml.load(text, Loader=_StrictLoader)
 
 
 def read_yaml(path: str | Path, section: str | None = None) -> Any:

@@ -21,13 +21,14 @@ import glob
 import json
 import sysconfig
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from dsv41_jax.config import ConfigError
 
 
-def embedded_files(limit: int) -> list[Path]:
+def embedded_files(limit: int | None = None) -> list[Path]:
     """Sorted ``.py`` files of the standard library (tests and site-packages excluded), at most ``limit``."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = ("site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__")
@@ -45,9 +46,9 @@ def _expand(paths: tuple[str, ...]) -> list[Path]:
     return out
 
 
-def read_documents(source: str, paths: tuple[str, ...] = (), limit: int = 2000, jsonl_key: str = "text",
+def read_documents(source: str, paths: tuple[str, ...] = (), limit: int | None = None, jsonl_key: str = "text",
                    ) -> list[str]:
-    """Up to ``limit`` non-empty documents, in a deterministic order."""
+    """Up to ``limit`` (None: every) non-empty documents, in a deterministic order."""
     docs: list[str] = []
     if source == "embedded":
         files = embedded_files(limit)
@@ -57,7 +58,7 @@ def read_documents(source: str, paths: tuple[str, ...] = (), limit: int = 2000, 
         raise ConfigError(f"data.source must be embedded, text or jsonl here (open_documents reads the others), "
                           f"got {source!r}")
     for path in files:
-        if len(docs) >= limit:
+        if limit is not None and len(docs) >= limit:
             break
         try:
             raw = path.read_text(encoding="utf-8", errors="replace") if source == "embedded" else \
@@ -108,8 +109,16 @@ def _need(module: str, source: str):
                           f"({err})") from err
 
 
+class CorpusCapped(UserWarning):
+    """``data.max_documents`` left documents of the corpus out."""
+
+
 class _LazyDocuments(Sequence):
-    """Random access by index (negative indices and slices too); subclasses read one document: ``_get``."""
+    """Random access by index (negative indices and slices too); subclasses read one document: ``_get``, and
+    set ``length`` (the documents offered) and ``total`` (those in the files)."""
+
+    length: int
+    total: int
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -147,6 +156,7 @@ class ParquetDocuments(_LazyDocuments):
             for g in range(meta.metadata.num_row_groups):
                 self.groups.append((n, g, total))
                 total += meta.metadata.row_group(g).num_rows
+        self.total = total
         self.length = total if limit is None else min(total, limit)
         self._starts = [g[2] for g in self.groups]
         self._init_cache()
@@ -217,7 +227,8 @@ class ArrayRecordDocuments(_LazyDocuments):
                 raise ConfigError(f"{path}: cannot read as ArrayRecord: {err}") from err
             parts.append(_Part(str(path), 0, n, n))
         self.source = ArrayRecordDataSource(parts)
-        self.length = len(self.source) if limit is None else min(len(self.source), limit)
+        self.total = len(self.source)
+        self.length = self.total if limit is None else min(self.total, limit)
 
     def __len__(self) -> int:
         return self.length
@@ -226,20 +237,29 @@ class ArrayRecordDocuments(_LazyDocuments):
         return self.source[i].decode("utf-8", errors="replace")
 
 
-def open_documents(source: str, paths: tuple[str, ...] = (), limit: int = 2000, *, jsonl_key: str = "text",
+def open_documents(source: str, paths: tuple[str, ...] = (), limit: int | None = None, *, jsonl_key: str = "text",
                    parquet_column: str = "text") -> Sequence[str]:
-    """The documents of ``source`` as a random-access sequence of at most ``limit`` strings.
+    """The documents of ``source`` as a random-access sequence of at most ``limit`` (None: all) strings.
 
     ``embedded``, ``text`` and ``jsonl`` are read into a list (:func:`read_documents`); ``parquet`` and
     ``arrayrecord`` stay on disk (:class:`ParquetDocuments`, :class:`ArrayRecordDocuments`). A pattern that
-    matches nothing, or a file that cannot be read, is a :class:`ConfigError` naming it.
+    matches nothing, or a file that cannot be read, is a :class:`ConfigError` naming it. A ``limit`` that
+    leaves documents out is a :class:`CorpusCapped` warning naming ``data.max_documents``: a cap set for a
+    smoke test must not quietly train a real run on a sliver of its corpus.
     """
     if source == "parquet":
         docs = ParquetDocuments(_expand(paths), parquet_column, limit)
     elif source == "arrayrecord":
         docs = ArrayRecordDocuments(_expand(paths), limit)
-    else:
-        docs = read_documents(source, paths, limit, jsonl_key)
+    else:  # one document past the cap tells whether it left any out
+        docs = read_documents(source, paths, None if limit is None else limit + 1, jsonl_key)
+    total = docs.total if isinstance(docs, _LazyDocuments) else len(docs)
+    if limit is not None and total > limit:
+        more = f"{total - limit:,} of {total:,}" if isinstance(docs, _LazyDocuments) else "more"
+        warnings.warn(f"data.max_documents = {limit:,} caps the corpus: {more} documents of data.source {source} "
+                      "are left out; set data.max_documents: null to train on all of them", CorpusCapped,
+                      stacklevel=2)
+        docs = docs[:limit] if isinstance(docs, list) else docs
     if len(docs) == 0:
         what = {"jsonl": f"no line with a non-empty {jsonl_key!r} (data.jsonl_key)", "parquet": "no rows",
                 "arrayrecord": "no records"}.get(source, "only empty files")

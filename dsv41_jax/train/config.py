@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from dsv41_jax import config as C
-from dsv41_jax.config import ConfigError, read_yaml
+from dsv41_jax.config import ConfigError, parse_value, read_yaml
 from dsv41_jax.config import build_dataclass as _build
 from dsv41_jax.config import fail as _fail
 from dsv41_jax.optim import OptimConfig
@@ -61,7 +61,9 @@ class DataConfig:
     paths: tuple[str, ...] = ()
     jsonl_key: str = "text"
     parquet_column: str = "text"
-    max_documents: int = 2000  # cap on the documents read (the embedded corpus has ~1,000 files)
+    # cap on the documents read; null (the default): every document of the corpus. A cap that leaves
+    # documents out says so when the run starts
+    max_documents: int | None = None
     seq_len: int = 64
     batch_size: int = 4  # global sequences per optimizer micro-step (split over hosts, then data×fsdp×expert)
     # `train`: train a byte-level BPE on the corpus on first use, cached in the checkpoint directory;
@@ -194,7 +196,7 @@ def validate(cfg: TrainConfig, source: str | None = None) -> None:
     if d.source != "embedded" and not d.paths:
         _fail(f"key 'data.paths' must list files (or globs) when data.source is {d.source}", source)
     for key in ("seq_len", "batch_size", "max_documents", "tokenizer_train_documents"):
-        if getattr(d, key) < 1:
+        if getattr(d, key) is not None and getattr(d, key) < 1:
             _fail(f"key 'data.{key}' must be ≥ 1, got {getattr(d, key)}", source)
     if d.read_threads < 0 or d.prefetch < 0:
         _fail("keys 'data.read_threads' and 'data.prefetch' must be ≥ 0", source)
@@ -208,6 +210,11 @@ def validate(cfg: TrainConfig, source: str | None = None) -> None:
     for key in ("steps", "grad_accum"):
         if getattr(cfg, key) < 1:
             _fail(f"key '{key}' must be ≥ 1, got {getattr(cfg, key)}", source)
+    if cfg.steps > cfg.optim.total_steps:
+        # past total_steps the schedule is flat at lr_floor: a run that long is a schedule written for another
+        _fail(f"key 'steps' ({cfg.steps}) is beyond the learning-rate schedule's key 'optim.total_steps' "
+              f"({cfg.optim.total_steps}); raise optim.total_steps (with optim.constant_until and "
+              f"optim.decay_until) to cover the run, or lower steps", source)
     if cfg.remat not in ("none", "block", "dots"):
         _fail(f"key 'remat' must be none, block or dots, got {cfg.remat!r}", source)
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1 or cfg.logging.every < 1:
@@ -233,7 +240,7 @@ def _set_dotted(data: dict, dotted: str, value: Any, source: str) -> None:
 
 
 def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Load ``path`` and apply ``key=value`` overrides (values parsed as YAML: ``3``, ``1.0e-3``, ``[1, 2]``)."""
+    """Load ``path`` and apply ``key=value`` overrides (values parsed as YAML: ``3``, ``1e-3``, ``[1, 2]``)."""
     path = Path(path)
     data = read_yaml(path)
     if not isinstance(data, dict):
@@ -243,7 +250,7 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Train
         if not eq or not key:
             raise ConfigError(f"override {item!r}: expected key=value with a dotted key (optim.lr=1.0e-3)")
         try:
-            value = yaml.safe_load(raw)
+            value = parse_value(raw)
         except yaml.YAMLError as err:
             raise ConfigError(f"override {item!r}: cannot parse the value: {err}") from err
         _set_dotted(data, key.strip(), value, f"{path} (override {item})")

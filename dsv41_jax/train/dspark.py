@@ -222,8 +222,9 @@ def train_dspark(config: str | Path, overrides: list[str] | tuple[str, ...] = ()
     opt_state = tx.init(params)
     step_fn = make_step(drafter, target, tx, cfg)
     d = saved["data"]
-    docs = open_documents(d["source"], tuple(d.get("paths") or ()), int(d["max_documents"]) + cfg.eval_documents)
-    n_train = min(int(d["max_documents"]), len(docs) - cfg.eval_documents)
+    cap = d["max_documents"]  # the pre-training run's documents (null: all), then the held-out ones
+    docs = open_documents(d["source"], tuple(d.get("paths") or ()), None if cap is None else cap + cfg.eval_documents)
+    n_train = len(docs) - cfg.eval_documents if cap is None else min(cap, len(docs) - cfg.eval_documents)
     train_docs, held_out = [docs[i] for i in range(n_train)], [docs[i] for i in range(n_train, len(docs))]
     tok_path = Path(cfg.target) / "tokenizer.json"
     data = iter(packed_dataset(train_docs, tok_path, mc, hasher.token_map, seq_len=cfg.seq_len,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.config import ConfigError
-from dsv41_jax.data.corpus import ArrayRecordDocuments, ParquetDocuments, open_documents
+from dsv41_jax.data.corpus import ArrayRecordDocuments, CorpusCapped, ParquetDocuments, open_documents
 from dsv41_jax.data.pipeline import packed_dataset
 
 pq = pytest.importorskip("pyarrow.parquet")
@@ -57,7 +57,8 @@ def test_parquet_random_access(parquet_files, texts):
     assert [docs[int(i)] for i in order] == [texts[i] for i in order]  # shuffled reads cross row groups
     assert docs[-1] == texts[-1] and docs[3:9] == texts[3:9]
     assert len(docs._groups) <= docs.cache  # only a few row groups are ever held
-    capped = ParquetDocuments(parquet_files, "body", limit=7)
+    with pytest.warns(CorpusCapped, match=f"data.max_documents = 7 caps the corpus: {len(texts) - 7} of {len(texts)}"):
+        capped = open_documents("parquet", tuple(map(str, parquet_files)), 7, parquet_column="body")
     assert len(capped) == 7 and list(capped) == texts[:7]
     with pytest.raises(IndexError):
         capped[7]
@@ -68,7 +69,8 @@ def test_arrayrecord_random_access(arrayrecord_files, texts):
     assert isinstance(docs, ArrayRecordDocuments) and len(docs) == len(texts)
     order = np.random.default_rng(1).permutation(len(texts))
     assert [docs[int(i)] for i in order] == [texts[i] for i in order]
-    assert len(open_documents("arrayrecord", (str(arrayrecord_files[1]),), 4)) == 4
+    with pytest.warns(CorpusCapped, match=f"{len(texts) - 11 - 4} of {len(texts) - 11} documents"):
+        assert len(open_documents("arrayrecord", (str(arrayrecord_files[1]),), 4)) == 4
 
 
 def test_errors_name_the_file(parquet_files, arrayrecord_files, tmp_path):

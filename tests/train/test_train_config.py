@@ -62,12 +62,24 @@ def test_overrides_reach_nested_keys():
     ({"model": {"preset": "tiny"}, "remat": "full"}, "remat.*none, block or dots"),
     ({"model": {"preset": "tiny"}, "optim": {"indexer_kl_over": "all"}}, "indexer_kl_over"),
     ({"model": {"dim": 8}}, r"model\.preset"),
+    ({"model": {"preset": "tiny"}, "data": {"max_documents": 0}}, r"data\.max_documents"),
+    ({"model": {"preset": "tiny"}, "optim": {"warmup_steps": 2, "constant_until": 5, "decay_until": 8,
+                                             "total_steps": 10}, "steps": 11},
+     r"key 'steps' \(11\) is beyond the learning-rate schedule's key 'optim\.total_steps' \(10\)"),
 ])
 def test_rejects_with_key_and_file(tmp_path, data, match):
     path = _write(tmp_path, data)
     with pytest.raises(ConfigError, match=match) as err:
         load(path)
     assert str(path) in str(err.value)
+
+
+def test_floats_without_a_point_and_no_document_cap():
+    # YAML 1.1 would read 1e-3 as a string; a run config reads it as 1.2 does, in the file and in an override
+    cfg = load(PRETRAIN, ["optim.lr=1e-3", "optim.lr_floor=2E-5"])
+    assert (cfg.optim.lr, cfg.optim.lr_floor) == (1e-3, 2e-5) and cfg.optim.seq_balance_alpha == 1e-4
+    assert cfg.data.max_documents is None and load(PRETRAIN, ["data.max_documents=30"]).data.max_documents == 30
+    assert load(PRETRAIN, ["steps=300"]).steps == 300  # the schedule's own length is allowed
 
 
 def test_bad_override_names_the_override():

@@ -180,8 +180,9 @@ def _cmd_train(args) -> int:
     from dsv41_jax.train.dspark import is_dspark_config, train_dspark
     from dsv41_jax.train.loop import launch
 
-    if is_dspark_config(config_path(args.config)):
-        train_dspark(config_path(args.config), args.overrides)
+    path = config_path(args.config)
+    if path.is_file() and is_dspark_config(path):  # launch() names a missing file
+        train_dspark(path, args.overrides)
         return 0
     launch(args.config, args.overrides, stop_after=args.stop_after, preflight_only=args.preflight, aot=args.aot,
            compile=not args.no_compile, collectives=args.collectives, devices=args.devices)

@@ -77,3 +77,17 @@ def test_shipped_config_and_bad_keys(tmp_path):
     bad.write_text("dspark_train:\n  target: r\n  out: o\n  steps: 5\n  warmup_steps: 5\n")
     with pytest.raises(ConfigError, match="warmup_steps"):
         load_config(bad)
+
+
+def test_dsv41_train_runs_a_dspark_config(monkeypatch):
+    """`dsv41 train --config` of a config with a dspark_train section trains a drafter, not the backbone."""
+    import dsv41_jax.train.dspark
+    import dsv41_jax.train.loop
+    from dsv41_jax import cli
+
+    calls = []
+    monkeypatch.setattr(dsv41_jax.train.dspark, "train_dspark", lambda *a, **k: calls.append(("dspark", a)))
+    monkeypatch.setattr(dsv41_jax.train.loop, "launch", lambda *a, **k: calls.append(("launch", a)))
+    config = REPO / "configs" / "dspark_tiny.yaml"
+    assert cli.main(["train", "--config", str(config), "dspark_train.steps=5"]) == 0
+    assert calls == [("dspark", (config, ["dspark_train.steps=5"]))]

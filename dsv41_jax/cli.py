@@ -340,8 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Bad input is one ``error:`` line and exit code 2; a run that had to stop (``TrainingStopped``: a
-    non-finite loss, a failed save) one line and exit code 1."""
-    from dsv41_jax.train.guard import TrainingStopped
+    non-finite loss, a failed save) one line and exit code 1; a run preempted by SIGTERM, once its step is
+    saved, one line and 143 (128 + SIGTERM, as if the signal had ended it: schedulers requeue on it)."""
+    from dsv41_jax.train.guard import Preempted, TrainingStopped
 
     args = build_parser().parse_args(argv)
     compile_cache.enable(args.compile_cache)
@@ -350,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     except (C.ConfigError, ConvertError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Preempted as err:
+        print(str(err), file=sys.stderr)
+        return 143
     except TrainingStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

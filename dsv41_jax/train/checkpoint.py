@@ -14,6 +14,12 @@ step that is incomplete (a missing item or metadata file) or does not restore (a
 array file, bad JSON) is moved to ``<run>/rejected_checkpoints/<step>`` with a message that names the step
 and the reason, and the next older step is tried. Leftover temporary directories of interrupted saves are
 reported and removed.
+
+Preemption: a SIGTERM (what a scheduler sends before it takes the machines) makes the run save the step in
+progress and stop with :class:`Preempted`; the same command resumes there. One process: a signal handler
+(:func:`dsv41_jax.train.guard.stopping` installs it) sets a flag read between steps. Several processes: Orbax's
+``reached_preemption``, through JAX's preemption sync service (``jax.distributed`` starts it), so that every
+process saves the same step.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import orbax.checkpoint as ocp
 from dsv41_jax.checkpoint import checksums
 from dsv41_jax.checkpoint.quiet import quiet_orbax_errors, reason
 from dsv41_jax.config import ConfigError
-from dsv41_jax.train.guard import TrainingStopped, state_is_finite
+from dsv41_jax.train.guard import Preempted, TrainingStopped, state_is_finite
 
 ITEMS = ("state", "data", "config")
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -78,6 +84,8 @@ class RunCheckpointer:
         self.keep = keep
         self.pending: int | None = None  # the step whose asynchronous save is not yet confirmed
         self.good: int | None = None  # the newest step known to be complete on disk
+        self.signal: int | None = None  # a SIGTERM that arrived (one process): save the next step, then stop
+        self.preempting = False  # the step being finished is the preemption save
         quiet_orbax_errors()
         self.manager = self._manager()
 
@@ -90,7 +98,11 @@ class RunCheckpointer:
         return self.manager.latest_step()
 
     def should_save(self, step: int, last: bool) -> bool:
-        return last or (self.every > 0 and step % self.every == 0)
+        """Whether to save ``step``: the last one, every ``every``, or the one a preemption stops at (asked at
+        every step, as JAX's preemption sync point wants on every process)."""
+        preempted = self.manager.reached_preemption(step) if jax.process_count() > 1 else self.signal is not None
+        self.preempting = preempted and not last  # a run that reached its end just ends
+        return last or preempted or (self.every > 0 and step % self.every == 0)
 
     def save(self, step: int, state, data_state: dict, config: dict) -> None:
         """Save ``step`` (asynchronously, after the previous save is confirmed); ``data_state`` is this
@@ -106,6 +118,9 @@ class RunCheckpointer:
         except Exception as err:
             raise self._failed(step, err) from err
         self.pending = step
+        if self.preempting:
+            self.wait()
+            raise Preempted(f"preempted (SIGTERM): step {step} is saved and training stops")
 
     def poll(self) -> None:
         """Between steps, without waiting: confirm a save that has finished, or raise its failure."""

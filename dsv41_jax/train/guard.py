@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +39,10 @@ ACTIONS = ("stop", "skip")
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (non-finite loss, failed save, full disk); the message says why and what is kept."""
+
+
+class Preempted(TrainingStopped):
+    """A SIGTERM stopped the run after saving the step in progress (``dsv41 train`` exits with 143)."""
 
 
 class NonFiniteGuard:
@@ -98,12 +104,33 @@ def state_is_finite(state) -> bool:
 
 
 @contextlib.contextmanager
-def stopping(checkpointer, report):
-    """Around a run's steps: on the way out, whatever ends them, close the metrics ``report`` and wait for the
-    ``checkpointer``'s last save. A :class:`TrainingStopped` (from the steps or from that last save) comes out
-    as one message that ends with where the run would resume."""
+def _sigterm_saves(checkpointer):
+    """While the steps run in one process, a SIGTERM sets ``checkpointer.signal`` (the next step is saved and
+    the run stops) instead of killing the process. With several processes JAX's preemption service owns the
+    signal (``RunCheckpointer.should_save``); off the main thread Python cannot take signals."""
+    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(signum, _frame):
+        checkpointer.signal = signum
+
+    previous = signal.signal(signal.SIGTERM, note)
     try:
         yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def stopping(checkpointer, report):
+    """Around a run's steps: a SIGTERM saves the step in progress and stops the run (:class:`Preempted`); on
+    the way out, whatever ends the steps, close the metrics ``report`` and wait for the ``checkpointer``'s last
+    save. A :class:`TrainingStopped` (from the steps or from that last save) comes out as one message that ends
+    with where the run would resume."""
+    try:
+        with _sigterm_saves(checkpointer):
+            yield
     except TrainingStopped as err:
         cause = str(err)
         with contextlib.suppress(Exception):
@@ -112,7 +139,7 @@ def stopping(checkpointer, report):
             checkpointer.close()
         except TrainingStopped as late:
             cause += f"; then {late}"
-        raise TrainingStopped(f"{cause}. {_resume_hint(checkpointer)}") from None
+        raise type(err)(f"{cause}. {_resume_hint(checkpointer)}") from None
     except BaseException:
         with contextlib.suppress(Exception):
             report.close()

@@ -101,3 +101,35 @@ def test_hosts_get_disjoint_halves(make):
         assert batch["tokens"].shape == (2, S)  # the global batch split over the hosts
         firsts.append({tuple(r[:8]) for r in batch["tokens"]})
     assert not firsts[0] & firsts[1]  # every host reads its own documents
+
+
+def test_best_fit_rows_hold_whole_pieces(make, encoded, trained):
+    """data.packing=best_fit: every segment is a whole row-long piece of one document (documents cut at
+    multiples of S, spec model §9.4), its Engram rows the whole document's hash at that offset; padding
+    is the rest of a row; the iterator state resumes exactly."""
+    hasher = EngramHasher(trained[2].engram, trained[1])
+    pieces = {tuple(d[i:i + S]): (n, i) for n, d in enumerate(encoded) for i in range(0, len(d), S)}
+    rows_of = {}
+    it = iter(make(packing="best_fit", packing_bins=4))
+    seen, used = set(), 0
+    for batch in _batches(it, 12):
+        for tok, seg, pos, rows in zip(batch["tokens"], batch["segment_ids"], batch["positions"],
+                                       batch["engram_rows"], strict=True):
+            for s in np.unique(seg[seg > 0]):
+                where = np.flatnonzero(seg == s)
+                assert np.array_equal(where, np.arange(where[0], where[0] + len(where)))  # contiguous
+                assert np.array_equal(pos[where], np.arange(len(where)))
+                n, i = pieces[tuple(tok[where])]  # a whole piece, never cut by the row
+                if n not in rows_of:
+                    rows_of[n] = hasher.row_ids(np.asarray(encoded[n])[None])[0][0]
+                assert np.array_equal(rows[where], rows_of[n][i:i + len(where)])
+                seen.add((n, i))
+            used += int((seg > 0).sum())
+            assert np.all(tok[seg == 0] == 0)
+    assert len(seen) > 40 and used > 0.9 * 12 * B * S  # the tight fit leaves little padding
+    state = json.loads(json.dumps(it.get_state()))
+    want = _batches(it, 2)
+    resumed = iter(make(packing="best_fit", packing_bins=4))
+    resumed.set_state(state)
+    for x, y in zip(want, _batches(resumed, 2), strict=True):
+        assert all(np.array_equal(x[k], y[k]) for k in x)

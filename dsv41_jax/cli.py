@@ -114,6 +114,15 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    """A run's loss / lr / throughput / expert-imbalance curves as PNG files."""
+    from dsv41_jax.train.plot import plot_run
+
+    for name, path in plot_run(args.run, args.out).items():
+        print(f"{name}: {path}")
+    return 0
+
+
 def _cmd_make_fake_hf(args) -> int:
     """A random checkpoint of any config in the exact release format."""
     from dsv41_jax.checkpoint.fake_hf import write_fake_hf
@@ -260,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-gb", type=A.above(0), default=5, help="shard size when the source has no index to follow")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(fn=_cmd_export)
+    p = sub.add_parser("plot", help="a run's loss, lr, throughput and expert-imbalance curves as PNG (needs the "
+                       "plot extra)")
+    p.add_argument("run", help="a `dsv41 train` run directory (or its metrics.jsonl)")
+    p.add_argument("--out", help="where the PNG files go (default: RUN/plots)")
+    p.set_defaults(fn=_cmd_plot)
     p = sub.add_parser("make-fake-hf", help="write a random checkpoint of a config in the exact release format")
     p.add_argument("--config", required=True, help="preset name, YAML file or HF directory")
     p.add_argument("--out", required=True, help="a new or empty directory")

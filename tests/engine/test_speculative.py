@@ -66,9 +66,9 @@ def bigram_drafter(drafter: DSpark, outputs: list[list[int]], skip: set[tuple[in
 
 
 def emitted_per_step(gen: Generator, prompts, n_steps: int) -> tuple[np.ndarray, list]:
-    """Tokens emitted by each of the first speculative steps [steps, B], and the state after each step."""
+    """Tokens emitted by each of the first speculative steps [steps, B], and the states before and after each."""
     s = gen.start_speculative(gen.prefill(prompts))
-    counts, states = [], []
+    counts, states = [], [s]
     for _ in range(n_steps):
         s, out = gen.speculative_block(s)
         counts.append((out >= 0).sum(-1))
@@ -108,7 +108,18 @@ def test_cache_after_a_rejection_equals_plain_decoding(spec):
         gen.dstate = random_state
     n = counts[0]
     assert n[0] == 3 and (n >= 1).all(), n
-    spec_cache, spec_state = states[0].cache, states[0]
+    spec_cache, spec_state = states[1].cache, states[1]
+    # the drafter's rings observed every kept position, and only those
+    before, after = states[0].draft, spec_state.draft
+    np.testing.assert_array_equal(after.lengths, spec_cache.lengths)
+    w = spec["cfg"].attention.window_size
+    for i in range(3):
+        kept = (int(before.lengths[i]) + np.arange(n[i])) % w
+        for rb, ra in zip(before.rings, after.rings, strict=True):
+            vb, va = np.asarray(rb.values[i]).view(np.uint8), np.asarray(ra.values[i]).view(np.uint8)
+            others = np.setdiff1d(np.arange(w), kept)
+            np.testing.assert_array_equal(va[others], vb[others])
+            assert all((va[j] != vb[j]).any() for j in kept)
     s = gen.prefill(prompts)
     for t in range(1, int(n.max()) + 1):
         s, _ = gen.decode_block(s)

@@ -96,7 +96,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: Int[Array, "B S"], engram_rows: Int[Array, "B S L G"] | None = None,
                  is_image: Bool[Array, "B S"] | None = None, *, segment_ids: Int[Array, "B S"] | None = None,
-                 positions: Int[Array, "B S"] | None = None, return_aux: bool = False,
+                 positions: Int[Array, "B S"] | None = None, return_aux: bool | str = False,
                  indexer_target: str | None = None, remat: str = "none"):
         """Teacher-forced forward: fp32 logits [B, S, V] (and :class:`Aux`).
 
@@ -106,6 +106,8 @@ class Transformer(nnx.Module):
         (numbered runs, 0 = padding) and no information flows between the documents of a row; RoPE uses
         ``positions`` (default: the offset in the document). See :mod:`dsv41_jax.model.documents`.
 
+        ``return_aux=True`` adds the :class:`Aux` of every layer; ``return_aux="routing"`` only its routing and
+        indexer statistics (what the training losses read: the stack then runs its repeated layers as scans).
         ``indexer_target`` (``dense`` | ``topk``) adds each index source's :class:`IndexerStats` to the aux
         (:mod:`dsv41_jax.model.indexer_loss`). ``remat`` rematerialises each block in the backward pass:
         ``none``, ``block`` (save only the block inputs) or ``dots`` (save the matmul outputs).
@@ -117,15 +119,17 @@ class Transformer(nnx.Module):
     def forward_embeddings(self, h: Float[Array, "B S D"], engram_rows: Int[Array, "B S L G"] | None = None,
                            is_image: Bool[Array, "B S"] | None = None, *,
                            segment_ids: Int[Array, "B S"] | None = None, positions: Int[Array, "B S"] | None = None,
-                           return_aux: bool = False, indexer_target: str | None = None, remat: str = "none"):
+                           return_aux: bool | str = False, indexer_target: str | None = None, remat: str = "none"):
         """The forward from input embeddings (image rows already merged in); arguments as :meth:`__call__`."""
+        if return_aux not in (True, False, "routing"):
+            raise ValueError(f"return_aux must be True, False or 'routing', got {return_aux!r}")
         self.check_engram_rows(engram_rows)
         b, s, _ = h.shape
         docs = _documents(segment_ids, positions, (b, s))
         vis = Visibility(jnp.broadcast_to(jnp.arange(s), (b, s)) if docs is None else docs.positions, docs=docs)
         x, pre = self.streams(h)
         x, pre, _, _, trace = self.run_layers(x, pre, self.dense_shared(), vis, engram_rows=engram_rows,
-                                              is_image=is_image, collect=return_aux,
+                                              is_image=is_image, collect=return_aux is True,
                                               schedule=Schedule(remat=remat, indexer_target=indexer_target))
         logits = self.logits(x, pre)
         if not return_aux:
@@ -177,12 +181,22 @@ class Transformer(nnx.Module):
         (CED, bounded replay); ``floor`` is the window floor of ``schedule.truncate``. Returns ``(x, pre,
         shared, vis, trace)``: streams, pre-mix and visibility of the rows the last layer ran on (CED narrows
         them) and a :class:`Trace` (streams, pre-mixes and states per layer only with ``collect``).
+
+        With ``scan_layers`` (the config's), over a tensor store and without ``collect``, each run of repeated
+        layer groups (:func:`segments`) is one ``lax.scan`` over the groups' stacked parameters: the program
+        holds one copy of the group, not one per layer (compile time), and computes what the unrolled loop
+        does (to fp32 rounding: XLA fuses the two programs differently).
         """
         cfg, sch = self.cfg, Schedule() if schedule is None else schedule
         run_block = _block_runner(sch.remat, sch.indexer_target)
         t = Trace((), {}, (), (), (), (), ())
-        for i, block in enumerate(self.layers):
-            publish = True
+        scan = cfg.scan_layers and not collect and isinstance(shared.kv, DenseKV)
+        for first, period, repeats in segments(cfg, sch, scan):
+            if repeats > 1:
+                x, pre, shared, t = self._scan_groups(first, period, repeats, run_block, x, pre, shared, is_image,
+                                                      vis, t)
+                continue
+            i, block, publish = first, self.layers[first], True
             if sch.stop is not None and i >= sch.stop:
                 if block.spec.owns_compressor:  # e.g. the paper's CED cut: its compressor still sees every row
                     shared = block.publish(x, pre, shared, vis)
@@ -200,18 +214,110 @@ class Transformer(nnx.Module):
             if collect and i in cfg.dspark.target_layer_ids:
                 t = t._replace(targets=t.targets + (x.astype(jnp.float32).mean(axis=2).astype(x.dtype),))
             x, pre, shared, r = run_block(block, x, pre, shared, is_image, vis, publish)
-            # block boundary: streams and the CSA2 state a later layer reads (main KV, index keys, top-k,
-            # candidates) stay split over the batch, so sharing never gathers the batch onto one device
-            x, pre, shared = constrain_batch((x, pre, shared))
-            t = t._replace(routing=t.routing + (r,))
-            if block.spec.has_indexer:
-                t.selections[i] = shared.topk
-            if shared.indexer is not None:
-                t = t._replace(indexer=t.indexer + (shared.indexer,))
-                shared = shared._replace(indexer=None)
+            x, pre, shared, step = _after_block(block.spec, x, pre, shared)
+            t = _record(t, i, r, *step)
             if collect:
                 t = t._replace(streams=t.streams + (x,), pre=t.pre + (pre,), shared=t.shared + (shared,))
         return x, pre, shared, vis, t
+
+    def _scan_groups(self, first: int, period: int, repeats: int, run_block, x, pre, shared: Shared, is_image, vis,
+                     t: Trace):
+        """Layers ``first .. first + period·repeats − 1`` (``repeats`` copies of one group of ``period`` blocks)
+        as a scan over the groups, their parameters stacked along a new leading axis."""
+        blocks = [[self.layers[first + g * period + j] for j in range(period)] for g in range(repeats)]
+        graphdefs = [nnx.split(b)[0] for b in blocks[0]]
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *[[nnx.split(b)[1] for b in group] for group in blocks])
+        specs = [b.spec for b in blocks[0]]
+
+        def group(carry, states):
+            x, pre, shared = carry
+            steps = []
+            for graphdef, state, spec in zip(graphdefs, states, specs, strict=True):
+                x, pre, shared, r = run_block(nnx.merge(graphdef, state), x, pre, shared, is_image, vis, True)
+                x, pre, shared, step = _after_block(spec, x, pre, shared)
+                steps.append((r, *step))
+            return (x, pre, shared), steps
+
+        carry = (x, pre, shared)
+        # the carry must keep its structure across groups (e.g. a top-k that the first group creates): if the
+        # first group changes it, run that group on its own and scan the rest
+        out = jax.eval_shape(group, carry, jax.tree.map(lambda a: a[0], stacked))[0]
+        if _avals(out) != _avals(carry):
+            carry, steps = group(carry, jax.tree.map(lambda a: a[0], stacked))
+            t = _record_group(t, first, period, [steps])
+            first, repeats, stacked = first + period, repeats - 1, jax.tree.map(lambda a: a[1:], stacked)
+            if repeats == 1:
+                carry, steps = group(carry, jax.tree.map(lambda a: a[0], stacked))
+                return *carry, _record_group(t, first, period, [steps])
+        carry, steps = jax.lax.scan(group, carry, stacked)
+        unstacked = [jax.tree.map(lambda a, g=g: a[g], steps) for g in range(repeats)]
+        return *carry, _record_group(t, first, period, unstacked)
+
+
+def _avals(tree):
+    return jax.tree.structure(tree), [(a.shape, a.dtype) for a in jax.tree.leaves(tree)]
+
+
+def _after_block(spec: LayerSpec, x, pre, shared: Shared):
+    """The block boundary: streams and the CSA2 state a later layer reads (main KV, index keys, top-k,
+    candidates) stay split over the batch, so sharding never gathers the batch onto one device; the top-k of
+    an index source and its indexer statistics are taken out for the trace."""
+    x, pre, shared = constrain_batch((x, pre, shared))
+    indexer = shared.indexer
+    return x, pre, shared._replace(indexer=None), (shared.topk if spec.has_indexer else None, indexer)
+
+
+def _record(t: Trace, layer: int, routing: Routing, topk, indexer) -> Trace:
+    t = t._replace(routing=t.routing + (routing,))
+    if topk is not None:
+        t.selections[layer] = topk
+    if indexer is not None:
+        t = t._replace(indexer=t.indexer + (indexer,))
+    return t
+
+
+def _record_group(t: Trace, first: int, period: int, groups) -> Trace:
+    for g, steps in enumerate(groups):
+        for j, step in enumerate(steps):
+            t = _record(t, first + g * period + j, *step)
+    return t
+
+
+MAX_PERIOD = 4  # longest layer group a scan repeats (the release's ratio-1 Reindex + 3 × Reuse)
+
+
+def segments(cfg: ModelConfig, schedule: Schedule, scan: bool = True) -> list[tuple[int, int, int]]:
+    """The stack as ``(first, period, repeats)`` runs: ``repeats`` consecutive copies of a group of ``period``
+    structurally identical layers (same role, ratio, rope, candidate use, no Engram), or single layers.
+
+    Layers where the schedule acts (``stop``, ``narrow``, ``truncate``) and Engram layers (each reads its own
+    row-id column) stand alone. Greedy from the bottom: at each layer the group that covers most layers.
+    The release (``topology.describe``) becomes layers 0, 1, 2, Reuse × 5, 8, Reuse × 5, 14, Reuse × 5, 20,
+    (Reuse × 3 + Reindex) × 4 and Reuse × 3: 14 traced blocks instead of 40.
+    """
+    n = cfg.n_layers
+    if not scan:
+        return [(i, 1, 1) for i in range(n)]
+    events = {schedule.stop, schedule.narrow, schedule.truncate} - {None}
+
+    def key(i: int):
+        s = layer_spec(cfg, i)
+        alone = s.engram or i in events
+        return (i if alone else None, s.part, s.ratio, s.role, s.candidate_source, s.uses_candidates, s.rope)
+
+    keys = [key(i) for i in range(n)]
+    out, i = [], 0
+    while i < n:
+        best = (1, 1)
+        for p in range(1, MAX_PERIOD + 1):
+            r = 1
+            while i + (r + 1) * p <= n and keys[i + r * p: i + (r + 1) * p] == keys[i: i + p]:
+                r += 1
+            if r > 1 and p * r > best[0] * best[1]:
+                best = (p, r)
+        out.append((i, *best))
+        i += best[0] * best[1]
+    return out
 
 
 class Schedule(NamedTuple):

@@ -209,7 +209,7 @@ def packed_loss(model: Transformer, tokens: Int[Array, "B S"], engram_rows, segm
                 positions, *, alpha: float, indexer_target: str | None = None, remat: str = "none") -> LossAux:
     """The training forward over packed documents: summed next-token NLL (``ce``), the sequence balance loss
     of its rows (``balance``) and, with an ``indexer_target``, :func:`indexer_sums` over non-padding tokens."""
-    logits, aux = model(tokens, engram_rows, segment_ids=segment_ids, positions=positions, return_aux=True,
+    logits, aux = model(tokens, engram_rows, segment_ids=segment_ids, positions=positions, return_aux="routing",
                         indexer_target=indexer_target, remat=remat)  # [b, S, V]
     targets, mask = targets_and_mask(tokens, segment_ids)
     real = segment_ids > 0

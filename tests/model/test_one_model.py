@@ -54,13 +54,15 @@ def _called(node: ast.AST) -> str | None:
 
 
 def test_one_stack_loop():
-    """Only ``Transformer.run_layers`` iterates over the blocks of a model."""
+    """Only ``Transformer.run_layers`` iterates over the blocks of a model (directly, or over the runs of layer
+    groups that ``segments`` plans)."""
     loops = []
     for path, tree in _modules():
         owner = _enclosing(tree)
         for node in ast.walk(tree):
-            if isinstance(node, (ast.For, ast.comprehension)) and "layers" in {
-                    n.attr for n in ast.walk(node.iter) if isinstance(n, ast.Attribute)}:
+            if isinstance(node, (ast.For, ast.comprehension)) and ("layers" in {
+                    n.attr for n in ast.walk(node.iter) if isinstance(n, ast.Attribute)} or "segments" in {
+                    _called(n) for n in ast.walk(node.iter)}):
                 loops.append((_where(path, node.iter), owner.get(node, "")))
     assert [f for _, f in loops] == ["Transformer.run_layers"], loops
 

@@ -1,8 +1,8 @@
 """The 8-device half of ``test_sharded_step.py``: run with 8 fake CPU devices (started by conftest.py).
 
 One train step of the tiny model on a data × fsdp × expert = 2 × 2 × 2 mesh and on one device, from the same
-initial state and batch. Prints one JSON line: loss / parameter / bias differences, and the collectives in the
-compiled sharded step.
+initial state and batch, and on the mesh again with the layers unrolled (``scan_layers: false``). Prints one
+JSON line: loss / parameter / bias differences, and the collectives in the compiled sharded step.
 """
 
 from __future__ import annotations
@@ -56,12 +56,15 @@ def main():
     assert jax.device_count() == 8, jax.devices()
     cfg = C.tiny().replace(dtype="float32")
     # Adam's ε = 1e-20 (spec §9.1) makes its first update lr·sign(g) even where g is zero up to reduction-order
-    # noise (~1e-12), which the two layouts sum differently; ε = 1e-6 keeps this comparison well conditioned
+    # noise (~1e-12), which the two layouts sum differently; ε = 1e-6 keeps this comparison well conditioned, and
+    # Newton–Schulz runs in fp32 (bf16 would round the two layouts' 1e-7-apart momenta apart)
     ocfg = OptimConfig(lr=2e-3, warmup_steps=2, constant_until=100, decay_until=200, total_steps=300,
-                       adam_eps=1e-6)
+                       adam_eps=1e-6, ns_dtype="float32")
     data = batch(cfg)
     single, m1, _ = one_step(cfg, ocfg, build_mesh((1, 1, 1, 1), devices=jax.devices()[:1]), data)
     sharded, m8, hlo = one_step(cfg, ocfg, build_mesh((2, 2, 2, 1)), data)
+    # the same mesh with every layer unrolled: the scanned stack (scan_layers, the default) must step alike
+    unrolled, mu, _ = one_step(cfg.replace(scan_layers=False), ocfg, build_mesh((2, 2, 2, 1)), data)
     diff = lambda a, b: max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
                             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
     per_param = {path_name(p): float(np.abs(np.asarray(x) - np.asarray(y)).max()) for (p, x), y in
@@ -80,7 +83,10 @@ def main():
                       "biases_diff": diff(single.biases, sharded.biases),
                       "opt_diff": diff(single.opt_state, sharded.opt_state),
                       "opt_rel": rel_diffs(single.opt_state, sharded.opt_state),
-                      "collectives": ops}))
+                      "collectives": ops,
+                      "unrolled": {"loss": float(mu["loss"]), "grad_norm": float(mu["grad_norm"]),
+                                   "params_diff": diff(sharded.params, unrolled.params),
+                                   "opt_rel": rel_diffs(sharded.opt_state, unrolled.opt_state)}}))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field
 
 KERNEL_BACKENDS = ("xla", "pallas")  # = pallas_kernels.*.api.BACKENDS
+GROUPED_MATMULS = ("auto", "xla", "tokamax")  # = dsv41_jax.model.moe.grouped_matmul's implementations
 
 
 class ConfigError(ValueError):
@@ -87,6 +88,9 @@ class MoEConfig:
     swiglu_limit: float = 10.0
     norm_topk_prob: bool = True
     gate_temp: float = 1.0
+    # the routed experts' grouped matmul (dsv41_jax.model.moe.grouped_matmul): auto = tokamax's kernel on GPU
+    # when it is installed (extra `gpu`), else lax.ragged_dot; or force `xla` / `tokamax`
+    grouped_matmul: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,9 @@ class ModelConfig:
     # "native" keeps the release's FP8 / packed-FP4 weights with their E8M0 scales and dequantises them on
     # the fly (spec model §2.2, §2.5); "float" holds every weight in param_dtype
     weight_format: str = "float"
+    # run each run of repeated layer groups as one lax.scan over stacked parameters (training and scoring
+    # forwards; dsv41_jax.model.transformer.segments): the same values, a program ~2× smaller to compile
+    scan_layers: bool = True
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mhc: MHCConfig = field(default_factory=MHCConfig)
@@ -306,5 +313,8 @@ def validate(cfg: ModelConfig, source: str | None = None) -> None:
     mo = cfg.moe
     if not 0 < mo.n_activated_experts <= mo.n_routed_experts or mo.n_shared_experts != 1:
         fail("moe: need 0 < n_activated_experts ≤ n_routed_experts and exactly one shared expert", source)
+    if mo.grouped_matmul not in GROUPED_MATMULS:
+        fail(f"moe.grouped_matmul must be one of {', '.join(map(repr, GROUPED_MATMULS))}, got "
+             f"{mo.grouped_matmul!r}", source)
     if mo.score_func != "sqrtsoftplus":
         fail(f"moe.score_func {mo.score_func!r} is not supported; V4.1 uses 'sqrtsoftplus'", source)

@@ -32,6 +32,9 @@ class OptimConfig:
     ns_steps: int = 8
     ns_tail_coeffs: tuple[float, ...] = (2.0, -1.5, 0.5)
     ns_tail_steps: int = 2
+    # dtype of the Newton–Schulz iteration: bf16 as Muon's authors and the V4 report run it (X₀ scaled in fp32);
+    # float32 for an exact reference
+    ns_dtype: str = "bfloat16"
     # guards X₀ = D/‖D‖_F against an all-zero momentum (the indexer gets no LM-loss gradient) [INF]
     ns_eps: float = 1e-20
     # AdamW, spec §9.1
@@ -89,6 +92,8 @@ def validate(c: OptimConfig) -> None:
         raise ConfigError(f"'indexer_kl_weight' must be ≥ 0, got {c.indexer_kl_weight}")
     if c.indexer_kl_over not in ("dense", "topk"):
         raise ConfigError(f"'indexer_kl_over' must be 'dense' or 'topk', got {c.indexer_kl_over!r}")
+    if c.ns_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"'ns_dtype' must be 'float32' or 'bfloat16', got {c.ns_dtype!r}")
     if c.state_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"'state_dtype' must be 'float32' or 'bfloat16', got {c.state_dtype!r}")
 

@@ -30,17 +30,23 @@ class MuonState(NamedTuple):
 
 
 def newton_schulz(x: Float[Array, "*B Y X"], schedule: tuple[tuple[float, float, float], ...],
-                  eps: float) -> Float[Array, "*B Y X"]:
+                  eps: float, dtype: str = "float32") -> Float[Array, "*B Y X"]:
     """``X₀ = D/(‖D‖_F + eps)``, then ``X ← aX + b(XXᵀ)X + c(XXᵀ)²X`` with one (a, b, c) per iteration.
 
-    Leading axes are batch: every trailing [m, n] matrix is orthogonalised separately. Matmuls run at JAX's
-    default precision (exact fp32 on CPU; TF32 may be used on GPU unless ``jax_default_matmul_precision``
-    says otherwise).
+    Leading axes are batch: every trailing [m, n] matrix is orthogonalised separately. ``dtype`` is that of
+    the iteration: ``float32`` runs its matmuls at JAX's default precision (exact fp32 on CPU; TF32 may be
+    used on GPU unless ``jax_default_matmul_precision`` says otherwise); ``bfloat16`` (what Muon's authors
+    and the V4 report run) scales ``X₀`` in fp32, then iterates in bf16 (products accumulate in fp32 and are
+    rounded to bf16, coefficients included). The result has ``x``'s dtype.
     """
-    coeffs = jnp.asarray(schedule, jnp.float32)  # [iterations, 3]
-    if x.ndim == 2:
-        return orthogonalize_via_newton_schulz(x, coeffs, len(schedule), "frobenius", eps)
-    return orthogonalize_via_newton_schulz(x, coeffs, len(schedule), "frobenius", eps, _OUT_IN)
+    out_dtype = x.dtype
+    if jnp.dtype(dtype) != jnp.float32:
+        x = x.astype(jnp.float32)
+        norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+        x = (x / (norm + eps)).astype(dtype)  # optax's own Frobenius scaling then divides by ≈ 1
+    coeffs = jnp.asarray(schedule, jnp.float32)  # [iterations, 3]; optax casts them to the iteration's dtype
+    dims = None if x.ndim == 2 else _OUT_IN
+    return orthogonalize_via_newton_schulz(x, coeffs, len(schedule), "frobenius", eps, dims).astype(out_dtype)
 
 
 def split_rows(x: Float[Array, "*B Y X"], blocks: int) -> Float[Array, "*B blocks Y/blocks X"]:
@@ -52,18 +58,19 @@ def split_rows(x: Float[Array, "*B Y X"], blocks: int) -> Float[Array, "*B block
 
 
 def orthogonalized_update(d: Float[Array, "*B Y X"], *, blocks: int, schedule, rms: float,
-                          eps: float) -> Float[Array, "*B Y X"]:
+                          eps: float, ns_dtype: str = "float32") -> Float[Array, "*B Y X"]:
     """``NS(D)·sqrt(max(m, n))·rms`` for each [m, n] matrix of ``d`` (rows cut into ``blocks`` matrices)."""
     if d.ndim < 2:
         raise ValueError(f"Muon needs a matrix (or a stack of them), got shape {d.shape}")
     mats = split_rows(d, blocks) if blocks > 1 else d
     m, n = mats.shape[-2:]
-    o = newton_schulz(mats.astype(jnp.float32), schedule, eps) * (math.sqrt(max(m, n)) * rms)
+    o = newton_schulz(mats.astype(jnp.float32), schedule, eps, ns_dtype) * (math.sqrt(max(m, n)) * rms)
     return o.reshape(d.shape)
 
 
 def scale_by_muon(*, momentum: float, nesterov: bool, schedule: tuple[tuple[float, float, float], ...], rms: float,
-                  eps: float, blocks: int = 1, state_dtype=jnp.float32) -> optax.GradientTransformation:
+                  eps: float, blocks: int = 1, state_dtype=jnp.float32, ns_dtype: str = "float32"
+                  ) -> optax.GradientTransformation:
     """The direction ``O`` of spec §9.2; chain decoupled weight decay and the learning rate after it."""
 
     def init_fn(params):
@@ -73,7 +80,8 @@ def scale_by_muon(*, momentum: float, nesterov: bool, schedule: tuple[tuple[floa
         del params
         m = jax.tree.map(lambda m, g: momentum * m + g.astype(m.dtype), state.momentum, updates)
         d = jax.tree.map(lambda m, g: momentum * m + g.astype(m.dtype), m, updates) if nesterov else m
-        o = jax.tree.map(lambda x: orthogonalized_update(x, blocks=blocks, schedule=schedule, rms=rms, eps=eps), d)
+        o = jax.tree.map(lambda x: orthogonalized_update(x, blocks=blocks, schedule=schedule, rms=rms, eps=eps,
+                                                         ns_dtype=ns_dtype), d)
         return o, MuonState(momentum=m)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -25,7 +25,8 @@ def muon(cfg: OptimConfig, blocks: int = 1, lr: optax.ScalarOrSchedule | None = 
     """Muon (spec §9.2) with decoupled weight decay, orthogonalising each of ``blocks`` row blocks apart."""
     return optax.chain(
         scale_by_muon(momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, schedule=cfg.ns_schedule,
-                      rms=cfg.muon_rms, eps=cfg.ns_eps, blocks=blocks, state_dtype=jnp.dtype(cfg.state_dtype)),
+                      rms=cfg.muon_rms, eps=cfg.ns_eps, blocks=blocks, state_dtype=jnp.dtype(cfg.state_dtype),
+                      ns_dtype=cfg.ns_dtype),
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(lr_schedule(cfg) if lr is None else lr))
 

@@ -29,7 +29,7 @@ NAMES = ["embed.weight", "head.weight", "layers.1.engram.embed.weight", "layers.
 
 def sinkhorn_layouts(mesh, rng) -> dict:
     """Δ of one table with rows over all 8 devices, and with rows over 4 × features over 2."""
-    cfg = OptimConfig()
+    cfg = OptimConfig(ns_dtype="float32")  # layouts compared at fp32 rounding
     f = jax.jit(lambda n: sinkhorn_direction(n, tau=cfg.sinkhorn_tau, iters=cfg.sinkhorn_iters, eps=cfg.sinkhorn_eps))
     n = rng.normal(size=(1024, 64)).astype(np.float32) * rng.lognormal(0, 1, (1024, 1)).astype(np.float32)
     n[rng.random(1024) < 0.3] = 0.0
@@ -51,7 +51,7 @@ def whole_optimizer(mesh, rng) -> dict:
              for k in NAMES}
     params = {k: rng.normal(size=s).astype(np.float32) * 0.1 for k, s in shapes.items()}
     grads = [{k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()} for _ in range(2)]
-    tx = optimizer(model_cfg, OptimConfig(), lr=1e-2)
+    tx = optimizer(model_cfg, OptimConfig(ns_dtype="float32"), lr=1e-2)
     named = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t, is_leaf=lambda x: isinstance(x, P))
     shardings = (named(specs), named(opt_state_partition_specs(tx, params, specs)))
 

@@ -51,7 +51,7 @@ def main():
     assert jax.device_count() == 8, jax.devices()
     cfg = C.from_dict(MODEL)
     ocfg = OptimConfig(lr=2e-3, warmup_steps=2, constant_until=100, decay_until=200, total_steps=300,
-                       adam_eps=1e-6, indexer_kl_weight=0.5)
+                       adam_eps=1e-6, ns_dtype="float32", indexer_kl_weight=0.5)
     pcfg = PosttrainConfig(replay=ReplayConfig(prob=0.75), distill=DistillConfig(weight=10.0))
     data = batch(cfg)
     single, m1 = one_step(cfg, ocfg, pcfg, build_mesh((1, 1, 1, 1), devices=jax.devices()[:1]), data)

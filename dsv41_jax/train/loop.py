@@ -137,21 +137,29 @@ def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None
         run.checkpointer.close()
         raise
     guard = NonFiniteGuard(cfg.nonfinite, report.log if main else _quiet)
-    tick = time.perf_counter()
+    tick, since = time.perf_counter(), start  # rates count the steps after ``since``, timed from ``tick``
     with stopping(run.checkpointer, report):
         for step in range(start + 1, end + 1):
+            if step == start + 1:
+                (report.log if main else _quiet)(f"compiling the train step (step {step}) …")
             run.state, metrics = run.step_fn(run.state, run.next_batch())
             report.dispatched(step, metrics)
+            if step == start + 1:  # the first call compiles: timed apart, never counted as a training step
+                jax.block_until_ready(metrics)
+                (report.log if main else _quiet)(f"step {step} compiled and ran in "
+                                                  f"{time.perf_counter() - tick:.1f} s")
+                tick, since = time.perf_counter(), step
             run.checkpointer.poll()
             if step % cfg.logging.every == 0 or step == end:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 now = time.perf_counter()
-                done = step - (history[-1]["step"] if history else start)
-                took = now - tick
-                m |= {"step": step, "step_s": took / done, "tokens_per_s": tokens_per_step * done / took}
-                if peak:
-                    m["mfu"] = m["tokens_per_s"] * run.flops_per_token / (peak * jax.device_count())
-                tick = now
+                done, took = step - since, now - tick
+                m["step"] = step
+                if done:  # (a row of the compiling step alone has no rate)
+                    m |= {"step_s": took / done, "tokens_per_s": tokens_per_step * done / took}
+                    if peak:
+                        m["mfu"] = m["tokens_per_s"] * run.flops_per_token / (peak * jax.device_count())
+                tick, since = now, step
                 history.append(m)
                 report.record(m, end)
             guard.dispatched(step, metrics)  # after the step's row: a stopping step is in the log

@@ -115,6 +115,10 @@ def test_skip_drops_the_nan_batch_and_goes_on(base_run, tmp_path):
     assert "step 2: loss and gradient norm are not finite (loss nan, gradient norm nan): batch dropped, the state " \
         "is unchanged (1 of at most 1, nonfinite.action=skip)" in lines, lines
     assert [m["skipped"] for m in history] == [0.0, 1.0, 0.0, 0.0] and np.isfinite(history[-1]["loss"])
+    # the first step compiles: its time is reported on its own line and in no row's rate
+    assert "compiling the train step (step 1) …" in lines and any(
+        line.startswith("step 1 compiled and ran in ") for line in lines), lines
+    assert "tokens_per_s" not in history[0] and all(m["tokens_per_s"] > 0 for m in history[1:])
     _same(steps.seen[2][1:], steps.seen[1][1:])  # step 2 changed nothing but the step counter
     assert int(steps.seen[2].step) == 2
     assert _restored(cfg.checkpoint.dir, run.state)[0] == 4

@@ -1,15 +1,19 @@
 """Train-step throughput (tokens/s, MFU) and multi-device equality on accelerators.
 
     python benchmarks/train_bench.py throughput CONFIG --meshes 1x1x1x1,2x1x1x1,1x1x2x1 [--seq 8192]
-        [--batch-per-device 1] [--experts N] [--remat none] [--steps 5]
+        [--batch-per-device 1] [--accum 1] [--experts N] [--remat none] [--steps 5] [--set KEY=VALUE ...]
     python benchmarks/train_bench.py equal CONFIG --meshes 1x1x1x1,2x1x1x1,1x1x2x1 [--seq 256] [--batch 2]
 
 Meshes are data×fsdp×expert×tensor. ``throughput`` draws random weights on the devices, already sharded
 (no host copy; ``engine_bench.build``), and times the jitted step on random tokens: median of ``--steps``
 after two warm-ups. MFU counts model FLOPs (6 × active matmul parameters per token, plus attention over the
 keys each query really reads and the indexer's scans, × 3 for forward and backward) against the H200's
-989 TFLOP/s dense bf16 peak. ``equal`` runs one fp32 step from the same eager initial state and batch on
-every mesh and prints loss and gradient norm (the first mesh is the baseline). One JSON line per result.
+989 TFLOP/s dense bf16 peak. ``--accum N`` accumulates N micro-batches per optimizer step (tokens per step = N ×
+batch × seq); ``--set`` overrides config keys as ``dsv41 train`` does (``model.scan_layers=false``,
+``model.moe.grouped_matmul=xla``, ``optim.ns_dtype=float32``: the previous forms, for a baseline in the same
+run). ``compile_s`` is tracing, lowering and compiling the step. ``equal``
+runs one fp32 step from the same eager initial state and batch on every mesh and prints loss and gradient norm
+(the first mesh is the baseline). One JSON line per result.
 """
 
 from __future__ import annotations
@@ -45,12 +49,12 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     return shape
 
 
-def random_batch(cfg, batch: int, seq: int, seed: int = 0) -> dict:
+def random_batch(cfg, batch: int, seq: int, seed: int = 0, accum: int = 1) -> dict:
     rng = np.random.default_rng(seed)
     e = cfg.engram
-    rows = np.stack([rng.integers(0, n, (1, batch, seq, e.n_columns)) for n in e.num_embeddings], 3)
-    return {"tokens": rng.integers(0, cfg.vocab_size, (1, batch, seq)).astype(np.int32),
-            "segment_ids": np.ones((1, batch, seq), np.int32), "engram_rows": rows.astype(np.int32)}
+    rows = np.stack([rng.integers(0, n, (accum, batch, seq, e.n_columns)) for n in e.num_embeddings], 3)
+    return {"tokens": rng.integers(0, cfg.vocab_size, (accum, batch, seq)).astype(np.int32),
+            "segment_ids": np.ones((accum, batch, seq), np.int32), "engram_rows": rows.astype(np.int32)}
 
 
 def model_flops_per_token(cfg, seq: int) -> dict:
@@ -92,11 +96,12 @@ def throughput(args, cfg):
         mesh = build_mesh(shape, devices=jax.devices()[:n_dev])
         batch = args.batch_per_device * shape[0] * shape[1] * shape[2]
         row = {"bench": "train_step", "mesh": text, "devices": n_dev, "seq": args.seq, "global_batch": batch,
-               "experts": model_cfg.moe.n_routed_experts, "remat": args.remat}
+               "accum": args.accum, "experts": model_cfg.moe.n_routed_experts, "remat": args.remat,
+               "set": args.set}
         try:
             ts, step = device_state(model_cfg, cfg.optim, mesh, args.remat)
             n_params = sum(x.size for x in jax.tree.leaves(ts.params))
-            data = jax.device_put(random_batch(model_cfg, batch, args.seq), batch_sharding(mesh))
+            data = jax.device_put(random_batch(model_cfg, batch, args.seq, accum=args.accum), batch_sharding(mesh))
             t0 = time.perf_counter()
             compiled = step.lower(ts, data).compile()
             row["compile_s"] = time.perf_counter() - t0
@@ -115,7 +120,7 @@ def throughput(args, cfg):
             if args.profile:
                 profile(args.profile, compiled, ts, data)
             sec = float(np.median(times))
-            tok_s = batch * args.seq / sec
+            tok_s = args.accum * batch * args.seq / sec
             row |= {"params_B": n_params / 1e9, "step_s": sec, "tokens_per_s": tok_s,
                     "tokens_per_s_per_device": tok_s / n_dev, "loss": float(metrics["loss"]),
                     "mfu": tok_s * flops["total"] / (n_dev * PEAK_BF16),
@@ -172,13 +177,15 @@ def main():
     p.add_argument("--meshes", default="1x1x1x1")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch-per-device", type=int, default=1)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
+    p.add_argument("--set", action="append", default=[], help="config override KEY=VALUE (repeatable)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--experts", type=int, default=None)
     p.add_argument("--remat", default="none")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--profile", default=None, help="directory for a trace of two steps and the step's HLO")
     args = p.parse_args()
-    cfg = load(args.config, [])
+    cfg = load(args.config, args.set)
     args.seq = args.seq or cfg.data.seq_len
     print(json.dumps({"device": str(jax.devices()[0]), "n_devices": jax.device_count(), "jax": jax.__version__,
                       "config": args.config}), flush=True)

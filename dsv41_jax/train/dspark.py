@@ -17,6 +17,10 @@ Loss per slot ``i`` (weights ``w_i ∝ position_decay^i``, summing to 1): ``ce �
 + conf · BCE(σ(conf_i), 1 − TV(p_i, q_i))``, the confidence target without gradient (``1 − TV`` is the
 acceptance probability of rejection sampling). λ's and the decay are [OPEN] in the sources; ours are in the
 config. Sequences come from the target's corpus (teacher forcing on data, not target-generated text).
+
+Post-training changes the target under its drafter: ``target`` may be a post-training run (``dsv41 train`` of a
+``posttrain`` config) and ``init_from`` the drafter trained for its source, which this run then fine-tunes
+against the new target, the backbone still frozen.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ from dsv41_jax.optim import OptimConfig, optimizer
 class DSparkTrainConfig:
     target: str  # a `dsv41 train` run directory: the frozen target (its latest step)
     out: str  # the drafter's directory: drafter.npz (mtp.* arrays), metrics.jsonl, eval.json
+    # a drafter.npz to start from instead of random weights: the drafter of the target before its post-training,
+    # kept in step with the post-trained target (whose weights, as always here, get no gradient)
+    init_from: str = ""
     steps: int = 300
     lr: float = 1.0e-3
     lr_floor: float = 1.0e-4
@@ -213,7 +220,9 @@ def train_dspark(config: str | Path, overrides: list[str] | tuple[str, ...] = ()
         raise ConfigError(f"{config}: the target's model has no DSpark stages (model.dspark.n_layers = 0)")
     log(f"target {cfg.target} step {step} (frozen); drafter: {mc.dspark.n_layers} stages, block "
         f"{mc.dspark.block_size}, features of layers {mc.dspark.target_layer_ids}")
-    drafter = DSpark(mc, rngs=nnx.Rngs(cfg.seed))
+    drafter = load_drafter_npz(cfg.init_from, mc) if cfg.init_from else DSpark(mc, rngs=nnx.Rngs(cfg.seed))
+    if cfg.init_from:
+        log(f"drafter from {cfg.init_from}")
     _, params, _ = nnx.split(drafter, nnx.Param, ...)
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr_floor)
     ocfg = OptimConfig(warmup_steps=cfg.warmup_steps, constant_until=cfg.warmup_steps, decay_until=cfg.steps,

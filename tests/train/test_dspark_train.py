@@ -70,6 +70,8 @@ def test_shipped_config_and_bad_keys(tmp_path):
     cfg = load_config(REPO / "configs" / "dspark_tiny.yaml")
     assert cfg.target == "runs/pretrain_tiny" and cfg.anchors == 16
     assert load_config(REPO / "configs" / "dspark_tiny.yaml", ["dspark_train.steps=70"]).steps == 70
+    assert cfg.init_from == "" and load_config(REPO / "configs" / "dspark_tiny.yaml",
+                                               ["dspark_train.init_from=d.npz"]).init_from == "d.npz"
     bad = tmp_path / "bad.yaml"
     bad.write_text("dspark_train:\n  target: r\n  out: o\n  anchor: 3\n")
     with pytest.raises(ConfigError, match="unknown dspark_train keys"):

@@ -22,7 +22,7 @@ from dsv41_jax.train.loop import train
 
 def _run(tiny_run, run_dir, on_step: dict):
     run, fresh = tiny_run
-    cfg = run.cfg.replace(steps=5, checkpoint=CheckpointConfig(str(run_dir), every=0, keep=2),
+    cfg = run.cfg.replace(steps=3, checkpoint=CheckpointConfig(str(run_dir), every=0, keep=2),
                           logging=dataclasses.replace(run.cfg.logging, tensorboard=None))
 
     def step_fn(state, batch):
@@ -34,18 +34,18 @@ def _run(tiny_run, run_dir, on_step: dict):
 
 
 def test_sigterm_saves_the_step_in_progress_and_the_run_resumes_from_it(tiny_run, tmp_path):
-    run = _run(tiny_run, tmp_path, {3: lambda: os.kill(os.getpid(), signal.SIGTERM)})
+    run = _run(tiny_run, tmp_path, {2: lambda: os.kill(os.getpid(), signal.SIGTERM)})
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Preempted) as err:  # every=0: no save but the preemption's (and the last)
         train(run.cfg, run=run, log=lambda _: None)
-    assert str(err.value) == ("preempted (SIGTERM): step 3 is saved and training stops. The last good checkpoint is "
-                              f"step 3 at {run.checkpointer.dir / '3'}: the same command resumes from there")
+    assert str(err.value) == ("preempted (SIGTERM): step 2 is saved and training stops. The last good checkpoint is "
+                              f"step 2 at {run.checkpointer.dir / '2'}: the same command resumes from there")
     assert signal.getsignal(signal.SIGTERM) is before  # the handler lives only while the steps run
     resumed = _run(tiny_run, tmp_path, {})
     step, state, data = resumed.checkpointer.restore_latest(resumed.state, log=lambda _: None)
-    assert step == 3
+    assert step == 2
     for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(run.state), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # what step 3 produced
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # what step 2 produced
     resumed.state = state
     resumed.data.restore(data)
-    assert [m["step"] for m in train(resumed.cfg, run=resumed, log=lambda _: None)] == [4, 5]
+    assert [m["step"] for m in train(resumed.cfg, run=resumed, log=lambda _: None)] == [3]

@@ -164,7 +164,8 @@ def setup_posttrain(cfg, model_cfg: C.ModelConfig, mesh, tok_path: Path, token_m
         from dsv41_jax.data.pipeline import packed_dataset
 
         lm_ds = packed_dataset(docs, tok_path, model_cfg, token_map, seq_len=d.seq_len, batch_size=d.batch_size,
-                               seed=cfg.seed, process_index=pi, process_count=pc)
+                               seed=cfg.seed, process_index=pi, process_count=pc, packing=d.packing,
+                               packing_bins=d.packing_bins)
     data = PosttrainData(None if sft_ds is None else iter(sft_ds), None if lm_ds is None else iter(lm_ds))
     return state, step, sft_ds or lm_ds, data
 

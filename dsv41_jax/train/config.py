@@ -20,6 +20,7 @@ from dsv41_jax import config as C
 from dsv41_jax.config import ConfigError, parse_value, read_yaml
 from dsv41_jax.config import build_dataclass as _build
 from dsv41_jax.config import fail as _fail
+from dsv41_jax.data.pipeline import PACKINGS
 from dsv41_jax.optim import OptimConfig
 from dsv41_jax.optim import from_dict as optim_from_dict
 from dsv41_jax.posttrain.config import PosttrainConfig
@@ -65,6 +66,11 @@ class DataConfig:
     # documents out says so when the run starts
     max_documents: int | None = None
     seq_len: int = 64
+    # `concat`: concat-then-split, no padding, documents continue across rows; `best_fit` (the release's, spec
+    # model §9.4): documents cut into row-long pieces, each put whole into the tightest of `packing_bins` open
+    # rows, the rest padding (dsv41_jax/data/pipeline.py)
+    packing: str = "concat"
+    packing_bins: int = 64
     batch_size: int = 4  # global sequences per optimizer micro-step (split over hosts, then data×fsdp×expert)
     # `train`: train a byte-level BPE on the corpus on first use, cached in the checkpoint directory;
     # otherwise a tokenizer.json path
@@ -195,7 +201,9 @@ def validate(cfg: TrainConfig, source: str | None = None) -> None:
         _fail(f"key 'data.source' must be one of {', '.join(SOURCES)}, got {d.source!r}", source)
     if d.source != "embedded" and not d.paths:
         _fail(f"key 'data.paths' must list files (or globs) when data.source is {d.source}", source)
-    for key in ("seq_len", "batch_size", "max_documents", "tokenizer_train_documents"):
+    if d.packing not in PACKINGS:
+        _fail(f"key 'data.packing' must be one of {', '.join(PACKINGS)}, got {d.packing!r}", source)
+    for key in ("seq_len", "batch_size", "max_documents", "tokenizer_train_documents", "packing_bins"):
         if getattr(d, key) is not None and getattr(d, key) < 1:
             _fail(f"key 'data.{key}' must be ≥ 1, got {getattr(d, key)}", source)
     if d.read_threads < 0 or d.prefetch < 0:

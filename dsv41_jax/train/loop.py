@@ -93,7 +93,8 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
         state, step_fn, _ = init_state(model_cfg, cfg.optim, mesh, cfg.seed, cfg.remat)
         ds = packed_dataset(docs, tok_path, model_cfg, token_map, seq_len=d.seq_len, batch_size=d.batch_size,
                             seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count(),
-                            read_threads=d.read_threads, prefetch=d.prefetch)
+                            read_threads=d.read_threads, prefetch=d.prefetch, packing=d.packing,
+                            packing_bins=d.packing_bins)
         data = DataState(iter(ds))
     else:  # QAT + replay fine-tuning from posttrain.init_from (dsv41_jax.posttrain)
         from dsv41_jax.posttrain.recipe import setup_posttrain

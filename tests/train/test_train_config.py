@@ -63,6 +63,8 @@ def test_overrides_reach_nested_keys():
     ({"model": {"preset": "tiny"}, "optim": {"indexer_kl_over": "all"}}, "indexer_kl_over"),
     ({"model": {"dim": 8}}, r"model\.preset"),
     ({"model": {"preset": "tiny"}, "data": {"max_documents": 0}}, r"data\.max_documents"),
+    ({"model": {"preset": "tiny"}, "data": {"packing": "first_fit"}}, r"key 'data\.packing' must be one of concat, "
+     "best_fit"),
     ({"model": {"preset": "tiny"}, "optim": {"warmup_steps": 2, "constant_until": 5, "decay_until": 8,
                                              "total_steps": 10}, "steps": 11},
      r"key 'steps' \(11\) is beyond the learning-rate schedule's key 'optim\.total_steps' \(10\)"),

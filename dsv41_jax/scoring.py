@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -67,28 +68,11 @@ def prefill_outputs(model: Transformer, hasher: EngramHasher, ids: np.ndarray, t
                     layers_detail: bool = False, mesh: jax.sharding.Mesh | None = None) -> dict[str, np.ndarray]:
     """Logits at every position and every discrete decision of a full-sequence forward (on ``mesh``: the
     weights sharded by the sharding table, MoE layers expert-parallel)."""
-    cfg = model.cfg
-    a = cfg.attention
+    a = model.cfg.attention
     rows, _ = hasher.row_ids(np.asarray(ids, np.int64), None)
-    graphdef, state = nnx.split(model)
-    if mesh is not None:
-        state = jax.device_put(state, named_shardings(mesh, state_partition_specs(state, mesh=mesh)))
-
-    def forward(st, t, r):
-        with expert_parallel(mesh):
-            return nnx.merge(graphdef, st)(t, r, return_aux=True)
-
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        logits, aux = jax.jit(forward)(state, jnp.asarray(ids), jnp.asarray(rows, jnp.int32))
+    logits, aux = full_forward(model, ids, rows, mesh=mesh)
     out = {f"{tag}_prefill_logits": np.asarray(logits, np.float32), f"{tag}_engram_row_ids": rows}
-    for layer in a.index_source_layers:
-        out[f"{tag}_topk_{layer}"] = np.asarray(aux.shared[layer].topk).astype(np.int16)
-    c = a.candidate_source_layer
-    n_blocks = -(-(ids.shape[1] // a.compress_ratios[c]) // a.candidate_block_size)
-    blocks = np.asarray(block_mask(aux.shared[c].candidates, n_blocks))  # kept block ids -> [B, S, blocks] mask
-    out[f"{tag}_candidates_{c}"] = np.repeat(blocks, a.candidate_block_size, -1)[..., : ids.shape[1]]
-    out[f"{tag}_moe_topk"] = np.stack(
-        [np.asarray(r.experts).reshape(-1, r.experts.shape[-1]) for r in aux.routing]).astype(np.int8)
+    out |= {f"{tag}_{k}": v for k, v in decisions(model, aux, ids.shape[1]).items()}
     if layers_detail:  # first sequence only, as the reference dumps do
         p = "b1" if tag == "batch1" else tag
         out[f"{p}_stream_after_layer"] = np.stack([np.asarray(s[0], np.float32) for s in aux.streams])
@@ -168,6 +152,80 @@ def _pad_rows(x: np.ndarray, length: int) -> np.ndarray:
     return np.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
+def full_forward(model: Transformer, ids: np.ndarray, rows: np.ndarray, *, is_image: np.ndarray | None = None,
+                 image_embeds: jax.Array | None = None, mesh: jax.sharding.Mesh | None = None):
+    """``(logits, aux)`` of the teacher-forced forward, compiled (on ``mesh``: sharded, MoE expert-parallel)."""
+    graphdef, state = nnx.split(model)
+    if mesh is not None:
+        state = jax.device_put(state, named_shardings(mesh, state_partition_specs(state, mesh=mesh)))
+
+    def forward(st, t, r, im, emb):
+        with expert_parallel(mesh):
+            return nnx.merge(graphdef, st)(t, r, im, image_embeds=emb, return_aux=True)
+
+    im = None if is_image is None else jnp.asarray(is_image)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        return jax.jit(forward)(state, jnp.asarray(ids), jnp.asarray(rows, jnp.int32), im, image_embeds)
+
+
+def decisions(model: Transformer, aux, seq_len: int) -> dict[str, np.ndarray]:
+    """Every discrete decision of a forward, golden-named without a tag: index top-k per index source,
+    candidate blocks, MoE routes."""
+    a = model.cfg.attention
+    out = {f"topk_{layer}": np.asarray(aux.shared[layer].topk).astype(np.int16) for layer in a.index_source_layers}
+    c = a.candidate_source_layer
+    n_blocks = -(-(seq_len // a.compress_ratios[c]) // a.candidate_block_size)
+    blocks = np.asarray(block_mask(aux.shared[c].candidates, n_blocks))  # kept block ids -> [B, S, blocks] mask
+    out[f"candidates_{c}"] = np.repeat(blocks, a.candidate_block_size, -1)[..., :seq_len]
+    out["moe_topk"] = np.stack(
+        [np.asarray(r.experts).reshape(-1, r.experts.shape[-1]) for r in aux.routing]).astype(np.int8)
+    return out
+
+
+def image_inputs_outputs(model: Transformer, hasher: EngramHasher, encoder, inputs,
+                         mesh: jax.sharding.Mesh | None = None) -> dict[str, np.ndarray]:
+    """A text+image prefill of an inputs file holding ``input_ids``, ``token_types`` [B, S], ``row_images``
+    [B, spans] and the images ``img{k}_rgb`` (uint8 [H, W, 3], run through our processor), with the vision
+    golden's names: ``vit_out_{k}``, ``aligner_out_{k}``, ``embed_merged``, ``stream_after_layer{0,1,last}``,
+    ``prefill_logits``, ``prefill_argmax_last``, ``engram_row_ids``, ``moe_topk``, ``topk_{layer}``.
+    ``encoder`` is a :class:`dsv41_jax.vision.prompt.ImageEncoder`."""
+    from dsv41_jax.vision.processor import process_image
+    from dsv41_jax.vision.prompt import spans_of
+    from dsv41_jax.vision.spans import Span
+
+    ids, types = np.asarray(inputs["input_ids"], np.int64), np.asarray(inputs["token_types"], np.int64)
+    which = np.asarray(inputs["row_images"], np.int64)
+    if ids.shape != types.shape or ids.ndim != 2:
+        raise ValueError(f"input_ids {ids.shape} and token_types {types.shape} must both be [B, S]")
+    numbers = sorted(int(m[1]) for k in inputs.files if (m := re.fullmatch(r"img(\d+)_rgb", k)))
+    if numbers != list(range(len(numbers))):
+        raise ValueError(f"images must be numbered img0_rgb, img1_rgb, ... without gaps; found {numbers}")
+    images = [process_image(np.asarray(inputs[f"img{k}_rgb"]), model.cfg.vision) for k in numbers]
+    spans = []
+    for b in range(ids.shape[0]):
+        found = spans_of(types[b])
+        if len(found) != which.shape[1]:
+            raise ValueError(f"row {b} has {len(found)} image spans but row_images names {which.shape[1]}")
+        spans.append([Span(st, n, int(k)) for (st, n), k in zip(found, which[b], strict=True)])
+    encoded = [encoder.encode(im) for im in images]
+    embeds = encoder.span_embeds(types, spans, encoded)
+    is_image = types >= 0
+    rows, _ = hasher.row_ids(ids, is_image)
+    logits, aux = full_forward(model, ids, rows, is_image=is_image, image_embeds=embeds, mesh=mesh)
+    out = {f"vit_out_{k}": np.asarray(e.vit, np.float32) for k, e in enumerate(encoded)}
+    out |= {f"aligner_out_{k}": np.asarray(e.rows, np.float32) for k, e in enumerate(encoded)}
+    out["embed_merged"] = np.asarray(model.embed_tokens(jnp.asarray(ids), jnp.asarray(is_image), embeds), np.float32)
+    last = model.cfg.n_layers - 1
+    out |= {f"stream_after_layer{i}": np.asarray(aux.streams[i], np.float32) for i in (0, 1, last)}
+    out["prefill_logits"] = np.asarray(logits, np.float32)
+    out["prefill_argmax_last"] = out["prefill_logits"][:, -1].argmax(-1)
+    out["engram_row_ids"] = rows
+    return out | decisions(model, aux, ids.shape[1])
+
+
+IMAGE_INPUT_KEYS = ("input_ids", "token_types", "row_images")
+
+
 def row_rel_l2(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
     a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
     return (np.linalg.norm(a - ref, axis=-1) / np.maximum(np.linalg.norm(ref, axis=-1), 1e-30)).ravel()
@@ -222,9 +280,11 @@ def score(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.PathLike | 
 
     ``inputs``: an npz of ``<tag>_ids`` arrays (and, for the decode protocol and the DSpark drafts,
     ``<tag>_decode_input_ids`` / ``<tag>_decode_next_ids``); every golden-named output (:func:`score_inputs`) is
-    written to ``out`` and compared with ``reference`` where given. ``ids``: an npy of token ids [B, S]; the
-    teacher-forced float32 logits [B, S, V] are written to ``out`` (default ``logits.npy``). Returns what it
-    wrote; a file that cannot be scored is a :class:`ScoreInputError`.
+    written to ``out`` and compared with ``reference`` where given. An npz holding ``input_ids``,
+    ``token_types``, ``row_images`` and ``img{k}_rgb`` images is a text+image prefill
+    (:func:`image_inputs_outputs`). ``ids``: an npy of token ids [B, S]; the teacher-forced float32 logits
+    [B, S, V] are written to ``out`` (default ``logits.npy``). Returns what it wrote; a file that cannot be
+    scored is a :class:`ScoreInputError`.
     """
     if (inputs is None) == (ids is None):
         raise ValueError("score: give exactly one of inputs, ids")
@@ -245,7 +305,14 @@ def score(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.PathLike | 
     if any(k.endswith(DECODE_ARRAYS[0]) for k in arrays.files) and model.cfg.dspark.n_layers:
         drafter = load_drafter(model.cfg, ckpt=ckpt, hf_dir=hf_dir)
     try:
-        ours = score_inputs(model, hasher, arrays, mesh=on, drafter=drafter)
+        if all(k in arrays.files for k in IMAGE_INPUT_KEYS):
+            from dsv41_jax.checkpoint.load import vision_encoder
+            from dsv41_jax.vision.prompt import ImageEncoder
+
+            encoder = ImageEncoder(vision_encoder(ckpt=ckpt, hf_dir=hf_dir, dtype=dtype, param_dtype=param_dtype))
+            ours = image_inputs_outputs(model, hasher, encoder, arrays, mesh=on)
+        else:
+            ours = score_inputs(model, hasher, arrays, mesh=on, drafter=drafter)
     except ValueError as err:
         raise ScoreInputError(f"{inputs}: {err}") from None
     save_and_report(ours, out, reference, as_json)

@@ -53,6 +53,18 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "main_proj": ("embed", None),  # DSpark mtp.0.main_proj: [D, targets·D]
     "markov": ("vocab", None),  # DSpark Markov head embed / head: [V, r]
     "confidence": (None, None),  # DSpark confidence head: [1, D + r]
+    # vision tower (dsv41_jax.vision): the ViT's own width stays whole, its wide axes split like an MLP's
+    "vit_patch": (None, None),  # vision.patch_embed.proj: [Dv, 3·14·14]
+    "vit_patch_bias": (None,),
+    "vit_up": ("vit_mlp", None),  # attn.wqkv [3·Dv, Dv], mlp.w1 [2·F, Dv]
+    "vit_up_bias": ("vit_mlp",),
+    "vit_down": (None, "vit_mlp"),  # attn.wo [Dv, Dv], mlp.w2 [Dv, F]
+    "vit_down_bias": (None,),
+    "aligner_in": ("mlp", None),  # aligner.w1: [D, 9·Dv]
+    "aligner_in_bias": ("mlp",),
+    "aligner_out": ("embed", "mlp"),  # aligner.w2: [D, D]
+    "aligner_out_bias": (None,),
+    "image_delimiter": (None,),  # image_start / image_end / image_newline: [D]
 }
 
 # logical axis -> mesh axis (or tuple of mesh axes); absent means replicated
@@ -67,6 +79,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "expert_hidden": "tensor",
     "engram_rows": ("fsdp", "expert"),
     "engram_cols": ("fsdp", "expert"),
+    "vit_mlp": "tensor",
 }
 
 

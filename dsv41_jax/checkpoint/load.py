@@ -183,3 +183,37 @@ def load_model(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike 
 
 class CheckpointUnreadable(C.ConfigError):
     """A checkpoint on disk that cannot be read (missing, truncated or corrupt files); the message names it."""
+
+
+def vision_encoder(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.PathLike | None = None,
+                   dtype: str = "float32", param_dtype: str | None = None):
+    """The vision tower (``dsv41_jax.vision.VisionEncoder``: ViT, aligner, span delimiters) of a converted
+    (``ckpt``) or release-format (``hf_dir``) checkpoint; ``param_dtype`` defaults as for the backbone."""
+    from dsv41_jax.vision.encoder import PREFIXES, VisionEncoder
+
+    if (ckpt is None) == (hf_dir is None):
+        raise ValueError("vision_encoder: give exactly one of ckpt, hf_dir")
+    where = Path(ckpt if ckpt is not None else hf_dir)
+    if ckpt is not None:
+        from dsv41_jax.checkpoint.convert import read_manifest
+
+        default = "float32" if read_manifest(where)["weights"] == "fp32" else "bfloat16"
+    cfg = C.from_hf(where / "config.json" if ckpt is not None else where)
+    pdt = param_dtype or (default if ckpt is not None else "float32")
+    encoder = nnx.eval_shape(lambda: VisionEncoder(cfg.vision, cfg.dim, dtype=dtype, param_dtype=pdt,
+                                                   rngs=nnx.Rngs(0)))
+    variables = flat_variables(encoder)
+    if ckpt is not None:
+        params_dir = where / read_manifest(where)["params"]
+        _check_stored(where, variables, stored_arrays(params_dir))
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        arrays = restore_arrays(params_dir, {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one)
+                                             for n, v in variables.items()})
+    else:
+        arrays = load_hf_params(where, include=lambda name: name.startswith(PREFIXES))
+        if not arrays:
+            raise ValueError(f"--hf-dir {where}: the checkpoint has no vision tower (vision.*, aligner.*, image_*)")
+    for var in variables.values():
+        var.set_value(np.zeros(var.shape, var.dtype))  # concrete placeholders, overwritten by assign
+    assign(encoder, arrays, ignore_prefixes=())
+    return encoder

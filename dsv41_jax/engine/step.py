@@ -53,13 +53,15 @@ class Features(NamedTuple):
 def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"], engram_rows: Int[Array, "B S L G"],
                   n_new: Int[Array, "B"], *, replay_start: Int[Array, "B"] | None = None,
                   write_floor: Int[Array, "B"] | None = None, is_image: Bool[Array, "B S"] | None = None,
-                  options: ChunkOptions | None = None) -> tuple[Float[Array, "B V"], C.Cache]:
+                  image_embeds: Float[Array, "B S D"] | None = None, options: ChunkOptions | None = None
+                  ) -> tuple[Float[Array, "B V"], C.Cache]:
     """Run ``tokens[b, :n_new[b]]`` at positions ``cache.lengths[b] + i``; returns logits and the new cache.
 
     Logits are fp32, of each sequence's last valid row ``[B, V]`` (or of every row ``[B, S', V]`` with
     ``options.all_logits``; under CED only the kept rows exist after the cut). ``options.return_selections``,
     ``options.main_hidden`` and ``options.row_carries`` append the selections, the :class:`Features` and the
-    per-row carries, in that order.
+    per-row carries, in that order. Image-span positions (``is_image``) take ``image_embeds``
+    (:meth:`Transformer.embed_tokens`): a span may sit in any chunk.
     """
     cfg = model.cfg
     o = ChunkOptions() if options is None else options
@@ -70,7 +72,7 @@ def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"],
     shared = Shared(C.PackedKV.of(cfg, cache, n_new, write_floor, keep_row_carries=o.row_carries))
     schedule = Schedule(stop=o.skip_from, narrow=o.ced_cut, truncate_narrowed=o.truncate, truncate=o.truncate_from)
     last_window = cache.lengths + n_new - cfg.attention.window_size  # the oracle's floor (truncate_from)
-    x, pre = model.streams(model.embed_tokens(tokens))
+    x, pre = model.streams(model.embed_tokens(tokens, is_image, image_embeds))
     x, pre, shared, vis, trace = model.run_layers(x, pre, shared, vis, engram_rows=engram_rows, is_image=is_image,
                                                   schedule=schedule, floor=last_window,
                                                   collect=o.main_hidden)  # what is not returned is not computed

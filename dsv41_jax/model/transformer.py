@@ -95,13 +95,15 @@ class Transformer(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, tokens: Int[Array, "B S"], engram_rows: Int[Array, "B S L G"] | None = None,
-                 is_image: Bool[Array, "B S"] | None = None, *, segment_ids: Int[Array, "B S"] | None = None,
-                 positions: Int[Array, "B S"] | None = None, return_aux: bool | str = False,
-                 indexer_target: str | None = None, remat: str = "none"):
+                 is_image: Bool[Array, "B S"] | None = None, *, image_embeds: Float[Array, "B S D"] | None = None,
+                 segment_ids: Int[Array, "B S"] | None = None, positions: Int[Array, "B S"] | None = None,
+                 return_aux: bool | str = False, indexer_target: str | None = None, remat: str = "none"):
         """Teacher-forced forward: fp32 logits [B, S, V] (and :class:`Aux`).
 
         ``engram_rows`` are the host-computed row ids of every Engram layer (``engram_hash``); image-span
-        positions (``is_image``) use ``bias_vl`` in the router and are DEAD for Engram. Without
+        positions (``is_image``) take ``image_embeds`` instead of their token's embedding (aligner rows and
+        delimiter vectors, ``dsv41_jax.vision.span_embeddings``), use ``bias_vl`` in the router and are DEAD
+        for Engram (their row ids must be hashed with ``dead=is_image``). Without
         ``segment_ids`` each row is one sequence from position 0. With them, rows are packed documents
         (numbered runs, 0 = padding) and no information flows between the documents of a row; RoPE uses
         ``positions`` (default: the offset in the document). See :mod:`dsv41_jax.model.documents`.
@@ -112,7 +114,8 @@ class Transformer(nnx.Module):
         (:mod:`dsv41_jax.model.indexer_loss`). ``remat`` rematerialises each block in the backward pass:
         ``none``, ``block`` (save only the block inputs) or ``dots`` (save the matmul outputs).
         """
-        return self.forward_embeddings(self.embed_tokens(tokens), engram_rows, is_image, segment_ids=segment_ids,
+        h = self.embed_tokens(tokens, is_image, image_embeds)
+        return self.forward_embeddings(h, engram_rows, is_image, segment_ids=segment_ids,
                                        positions=positions, return_aux=return_aux, indexer_target=indexer_target,
                                        remat=remat)
 
@@ -140,8 +143,17 @@ class Transformer(nnx.Module):
     # -- the pieces every forward is made of: training, the engine (dsv41_jax.engine.step) and the served
     # -- post-training forward (dsv41_jax.posttrain.replay)
 
-    def embed_tokens(self, tokens: Int[Array, "B S"]) -> Float[Array, "B S D"]:
-        return jnp.take(self.embed.weight[...], tokens, axis=0).astype(self.cfg.dtype)
+    def embed_tokens(self, tokens: Int[Array, "B S"], is_image: Bool[Array, "B S"] | None = None,
+                     image_embeds: Float[Array, "B S D"] | None = None) -> Float[Array, "B S D"]:
+        """Token embeddings; image-span positions overwritten by ``image_embeds`` (spec model §3, §7.3)."""
+        h = jnp.take(self.embed.weight[...], tokens, axis=0).astype(self.cfg.dtype)
+        if image_embeds is None:
+            return h
+        if is_image is None:
+            raise ValueError("image_embeds were given without is_image (token_types >= 0)")
+        if image_embeds.shape != h.shape:
+            raise ValueError(f"image_embeds {image_embeds.shape} must be [B, S, D] = {h.shape}")
+        return jnp.where(is_image[..., None], image_embeds.astype(h.dtype), h)
 
     def check_engram_rows(self, engram_rows) -> None:
         if self.cfg.engram.layer_ids and engram_rows is None:

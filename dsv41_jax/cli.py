@@ -159,7 +159,7 @@ def _cmd_sample(args) -> int:
            max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, temperature=args.temperature,
            top_k=args.top_k, top_p=args.top_p, seed=args.seed, prefill_mode=args.prefill_mode,
            prefill_chunk=args.prefill_chunk, dtype=args.dtype, show_ids=args.show_ids, mesh=args.mesh,
-           speculative=args.speculative, drafter=args.drafter, sps=args.sps)
+           speculative=args.speculative, drafter=args.drafter, sps=args.sps, images=args.image)
     return 0
 
 
@@ -309,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--config configs/dspark_tiny.yaml) instead of the checkpoint's own mtp.* stages")
     p.add_argument("--sps", help="with --speculative: the table dsv41 profile-sps wrote; each step's verify lengths "
                    "are then chosen from the drafter's confidences (spec §8.4) instead of a fixed K")
+    p.add_argument("--image", action="append", help="an image file or data: URL for the next <image> of the "
+                   "prompts (repeat, in order)")
     _add_mesh(p)
     p.set_defaults(fn=_cmd_sample)
     p = sub.add_parser("profile-sps", help="the target's speculative verify steps per second by chunk width (the "

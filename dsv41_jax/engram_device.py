@@ -213,8 +213,13 @@ def device_row_ids(
     return rows, ext[..., ext.shape[-1] - (k_max - 1):], n_seen + s
 
 
-def advance_history(tables: DeviceEngram, history: Array, n_seen: Array, tokens: Array, n_new: Array):
-    """The Engram history after the first ``n_new[b]`` tokens of a ragged chunk (padding is never history)."""
-    ext = jnp.concatenate([history, tables.token_map[tokens]], axis=1)  # [B, J-1+S]
+def advance_history(tables: DeviceEngram, history: Array, n_seen: Array, tokens: Array, n_new: Array,
+                    dead: Array | None = None):
+    """The Engram history after the first ``n_new[b]`` tokens of a ragged chunk (padding is never history);
+    ``dead`` (image-span) positions enter it as DEAD."""
+    comp = tables.token_map[tokens]
+    if dead is not None:
+        comp = jnp.where(dead, jnp.int32(DEAD), comp)
+    ext = jnp.concatenate([history, comp], axis=1)  # [B, J-1+S]
     idx = n_new[:, None] + jnp.arange(history.shape[1])[None]
     return jnp.take_along_axis(ext, idx, axis=1), n_seen + n_new

@@ -32,9 +32,23 @@ def parse_ids(text: str) -> list[int]:
     return token_ids(text)
 
 
-def encode_prompts(tok: Tokenizer, bos_token_id: int, texts: Sequence[str]) -> list[list[int]]:
-    """Each text as BOS followed by its tokens (no other special tokens), as training saw documents."""
-    return [[bos_token_id, *tok.encode(t, add_special_tokens=False).ids] for t in texts]
+IMAGE_PLACEHOLDER = "<image>"  # in a text prompt: where an image goes (the tokenizer's own spelling works too)
+
+
+def encode_prompts(tok: Tokenizer, bos_token_id: int, texts: Sequence[str], image_token_id: int | None = None
+                   ) -> list[list[int]]:
+    """Each text as BOS followed by its tokens (no other special tokens), as training saw documents; with
+    ``image_token_id``, each ``<image>`` becomes that token (expanded into the image's span later)."""
+    out = []
+    for t in texts:
+        pieces = t.split(IMAGE_PLACEHOLDER) if image_token_id is not None else [t]
+        ids = [bos_token_id]
+        for k, piece in enumerate(pieces):
+            if k:
+                ids.append(image_token_id)
+            ids += tok.encode(piece, add_special_tokens=False).ids if piece else []
+        out.append(ids)
+    return out
 
 
 def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | None = None,
@@ -44,6 +58,7 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
            prefill_mode: str = "exact", prefill_chunk: int = 512, dtype: str = "bfloat16",
            show_ids: bool = False, mesh: str | None = None, speculative: int | None = None,
            drafter: str | os.PathLike | None = None, sps: str | os.PathLike | None = None,
+           images: Sequence[str] | None = None,
            log: Callable[[str], None] = _print) -> list[list[int]]:
     """Sample continuations of text ``prompts`` (or token-id prompts ``ids``) from one checkpoint source.
 
@@ -54,13 +69,22 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
     ``K`` drafts per step (0: its block size); the acceptance counts are logged at the end. ``drafter``: a
     ``drafter.npz`` that DSpark training wrote (``dsv41 train`` of a ``dspark_train`` config) instead. ``sps``:
     the steps-per-second table of ``dsv41 profile-sps``: confidence-scheduled verify lengths.
+    ``images`` (``--image``, paths or data: URLs): one per ``<image>`` of the prompts, in order; each becomes
+    its span through the checkpoint's vision tower (spec model §7).
     """
     loaded, on = load_for_serving(mesh, run=run, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype, log=log)
     if loaded.step is not None:
         log(f"sampling from {run} step {loaded.step}")
     cfg = loaded.model.cfg
     tok = Tokenizer.from_file(str(loaded.tokenizer))
-    batch = [list(p) for p in ids] if ids else encode_prompts(tok, cfg.bos_token_id, prompts or [])
+    batch = [list(p) for p in ids] if ids else encode_prompts(tok, cfg.bos_token_id, prompts or [],
+                                                              cfg.image_token_id if images else None)
+    vision = None
+    if images:
+        if run is not None:
+            raise ConfigError("--image: give the vision checkpoint with --ckpt or --hf-dir (a run holds the text "
+                              "backbone)")
+        vision, batch = _image_prompts(batch, images, cfg, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype)
     draft_model = None
     if speculative is not None:
         if drafter is not None:
@@ -101,7 +125,7 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
             if text:
                 log(f"[{i}] {text}")
 
-    outs = gen.generate(batch, seed=seed, on_block=show)
+    outs = gen.generate(batch, seed=seed, on_block=show, images=vision)
     if show_ids:
         for i, row in enumerate(outs):
             log(f"[{i}] ids {','.join(map(str, row))}")
@@ -119,3 +143,21 @@ def acceptance_report(stats: dict) -> str:
              f"({accepted.sum() / max(drafted.sum(), 1):.1%}), mean accepted length "
              f"{(accepted.sum() + steps.sum()) / max(steps.sum(), 1):.2f} tokens/step")
     return "\n".join([*rows, total])
+
+
+def _image_prompts(batch: list[list[int]], images: Sequence[str], cfg, *, ckpt, hf_dir, dtype):
+    """(PromptInputs, expanded prompts): the images through the vision tower, each placeholder its span."""
+    from dsv41_jax.checkpoint.load import vision_encoder
+    from dsv41_jax.vision.processor import process_image
+    from dsv41_jax.vision.prompt import ImageEncoder
+
+    try:
+        processed = [process_image(path, cfg.vision) for path in images]
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--image: {err}") from None
+    encoder = ImageEncoder(vision_encoder(ckpt=ckpt, hf_dir=hf_dir, dtype=dtype))
+    try:
+        inputs = encoder.prompt_inputs(batch, processed, cfg.image_token_id, pad_id=cfg.pad_token_id)
+    except ValueError as err:
+        raise ConfigError(f"--image: {err} (write {IMAGE_PLACEHOLDER} in --prompt where each image goes)") from None
+    return inputs, [list(inputs.ids[b, : inputs.lengths[b]]) for b in range(len(batch))]

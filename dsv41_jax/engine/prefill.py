@@ -35,12 +35,12 @@ def check_ced_cut(cfg: ModelConfig, cut: int) -> None:
 
 
 def prefill(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"], engram_rows: Array, n_new: Array, *,
-            mode: Literal["exact", "ced"] = "exact", cut: int | None = None, is_image=None):
+            mode: Literal["exact", "ced"] = "exact", cut: int | None = None, is_image=None, image_embeds=None):
     """Prefill ``tokens[b, :n_new[b]]`` after what the cache holds (one chunk of a chunked prefill).
 
     ``exact`` runs every layer over every token (the reference). ``ced`` runs layers before ``cut`` over
     every token and the rest over each sequence's last ``window`` tokens with truncated windows; their SWA
-    rings then hold exactly what decoding needs.
+    rings then hold exactly what decoding needs. Image-span positions (``is_image``) take ``image_embeds``.
     """
     _check_capacity(model.cfg, cache, n_new)
     options = ChunkOptions()
@@ -50,7 +50,8 @@ def prefill(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"], engra
         options = ChunkOptions(ced_cut=cut)
     elif mode != "exact":
         raise ValueError(f"prefill mode must be 'exact' or 'ced', got {mode!r}")
-    return forward_chunk(model, cache, tokens, engram_rows, n_new, is_image=is_image, options=options)
+    return forward_chunk(model, cache, tokens, engram_rows, n_new, is_image=is_image, image_embeds=image_embeds,
+                         options=options)
 
 
 def replay_after_hit(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"], engram_rows: Array,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,9 @@ from dsv41_jax.model.dspark import DraftCache, DSpark, init_draft_cache
 from dsv41_jax.model.moe import expert_parallel
 from dsv41_jax.model.transformer import Transformer
 from dsv41_jax.sharding import named_shardings, state_partition_specs
+
+if TYPE_CHECKING:
+    from dsv41_jax.vision.prompt import PromptInputs
 
 SERVE_BATCH = ("data", "expert")  # mesh axes the sequences of a batch are split over when serving
 
@@ -166,16 +169,18 @@ class Generator:
             raise ValueError(f"prefill_mode must be 'exact' or 'ced', got {sampling.prefill_mode!r}")
 
         def prefill_chunk(state, dstate, cache, dcache, history, n_seen, tokens, n_new, replay_start, write_floor,
-                          opts):
-            rows, _, _ = device_row_ids(tables, history, n_seen, tokens)  # padding rows: computed, never used
+                          is_image, image_embeds, opts):
+            # padding rows: computed, never used; image-span positions are DEAD for Engram (spec model §6.5)
+            rows, _, _ = device_row_ids(tables, history, n_seen, tokens, is_image)
             observe = dstate is not None and opts.skip_from is None  # the drafter sees the rows that reach it
             with expert_parallel(mesh):
                 out = forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, n_new, replay_start=replay_start,
-                                    write_floor=write_floor, options=opts._replace(main_hidden=observe))
+                                    write_floor=write_floor, is_image=is_image, image_embeds=image_embeds,
+                                    options=opts._replace(main_hidden=observe))
             if observe:
                 f = out[2]
                 dcache = nnx.merge(dgraph, dstate).observe(dcache, f.main_hidden, f.pos, f.valid)
-            return out[0], out[1], dcache, *advance_history(tables, history, n_seen, tokens, n_new)
+            return out[0], out[1], dcache, *advance_history(tables, history, n_seen, tokens, n_new, is_image)
 
         def decode_block(state, s):
             with expert_parallel(mesh):
@@ -185,7 +190,7 @@ class Generator:
             with expert_parallel(mesh):
                 return self._speculative_block(nnx.merge(graphdef, state), nnx.merge(dgraph, dstate), s)
 
-        self._prefill = jax.jit(prefill_chunk, static_argnums=10)
+        self._prefill = jax.jit(prefill_chunk, static_argnums=12)
         self._decode = jax.jit(decode_block, donate_argnums=1)
         self._speculative = jax.jit(speculative_block)
 
@@ -242,10 +247,18 @@ class Generator:
                            jnp.ones((self.batch,), bool), jax.random.split(jax.random.key(0), self.batch),
                            jnp.zeros((self.batch,), jnp.int32), RowSampling.of(self.sampling, self.batch), dcache)
 
-    def prefill(self, prompts: list[list[int]]) -> DecodeState:
-        """Chunked prefill of ragged prompts (token ids) into a fresh state; validates them first."""
+    def prefill(self, prompts: list[list[int]], images: PromptInputs | None = None) -> DecodeState:
+        """Chunked prefill of ragged prompts (token ids) into a fresh state; validates them first. ``images``
+        (:meth:`dsv41_jax.vision.prompt.ImageEncoder.prompt_inputs`) gives the token types and span embeddings
+        of image prompts; ``prompts`` are then its expanded ids."""
         validate_prompts(prompts, self.batch, self.cfg.vocab_size, self.max_seq_len)
-        return self.admit(self.empty(), [Admission(i, p) for i, p in enumerate(prompts)])
+        if images is None:
+            return self.admit(self.empty(), [Admission(i, p) for i, p in enumerate(prompts)])
+        _check_images(prompts, images)
+        n = images.lengths
+        return self.admit(self.empty(), [Admission(i, p, token_types=images.token_types[i, : n[i]],
+                                                   image_embeds=images.embeds[i, : n[i]])
+                                         for i, p in enumerate(prompts)])
 
     def admit(self, s: DecodeState, admissions: list[Admission]) -> DecodeState:
         """Prefill each admission's ``tokens[start:]`` into its row; the other rows are left as they are.
@@ -253,7 +266,9 @@ class Generator:
         A row's cache must already hold its global KV below ``start`` (and its SWA ring, unless the admission
         replays). Feeds are right-aligned on the chunk grid, so every sequence ends in the final chunk: CED
         runs the layers after its cut only there, on each sequence's last ``window`` tokens. The admitted rows
-        get their sampling settings (default: the generator's), their key, step 0, and are not done.
+        get their sampling settings (default: the generator's), their key, step 0, and are not done. An image
+        span may cross chunk boundaries: each chunk takes its slice of the span embeddings, and the Engram
+        history carries the span's DEAD flags.
         """
         b, chunk = self.batch, self.sampling.prefill_chunk
         mask, feed = np.zeros(b, bool), np.zeros(b, np.int64)
@@ -263,7 +278,7 @@ class Generator:
             mask[a.row], start[a.row], feed[a.row] = True, a.start, len(a.tokens) - a.start
             if a.replay_hit is not None:
                 replay[a.row], floor[a.row] = a.start, a.replay_hit
-            history[a.row], n_seen[a.row] = self.history_before(a.tokens, a.start), a.start
+            history[a.row], n_seen[a.row] = self.history_before(a.tokens, a.start, a.token_types), a.start
         m = jnp.asarray(mask)
         cache = s.cache._replace(lengths=jnp.where(m, jnp.asarray(start), s.cache.lengths))
         history, n_seen, dcache, logits = jnp.asarray(history), jnp.asarray(n_seen), s.draft, s.logits
@@ -276,9 +291,10 @@ class Generator:
             for a in admissions:
                 j = a.start + lo[a.row]
                 tokens[a.row, : n_new[a.row]] = a.tokens[j: j + n_new[a.row]]
+            is_image, embeds = self._image_chunk(admissions, lo, n_new)
             new, cache, dcache, history, n_seen = self._prefill(
                 self.state, self.dstate, cache, dcache, history, n_seen, jnp.asarray(tokens),
-                jnp.asarray(n_new, jnp.int32), jnp.asarray(replay), jnp.asarray(floor),
+                jnp.asarray(n_new, jnp.int32), jnp.asarray(replay), jnp.asarray(floor), is_image, embeds,
                 self._chunk_options[k == n_chunks - 1])
             if k == n_chunks - 1:
                 logits = jnp.where(m[:, None], new, logits)
@@ -289,17 +305,40 @@ class Generator:
                 rows = RowSampling(*(x.at[a.row].set(v) for x, v in zip(rows, a.sampling, strict=True)))
         return DecodeState(cache, logits, history, n_seen, s.done & ~m, keys, jnp.where(m, 0, s.step), rows, dcache)
 
-    def history_before(self, tokens: list[int], start: int) -> np.ndarray:
-        """The Engram history before position ``start`` of ``tokens``: the last J-1 compressed ids, DEAD before 0."""
+    def history_before(self, tokens: list[int], start: int, token_types: np.ndarray | None = None) -> np.ndarray:
+        """The Engram history before position ``start`` of ``tokens``: the last J-1 compressed ids, DEAD before 0
+        and at image-span positions (``token_types`` ≥ 0)."""
         pos = np.arange(start - (self.tables.mult_limbs.shape[-2] - 1), start)
         ids = np.asarray(tokens, np.int64)[np.maximum(pos, 0)]
-        return np.where(pos >= 0, self.token_map[ids], DEAD).astype(np.int32)
+        dead = pos < 0
+        if token_types is not None:
+            dead |= np.asarray(token_types)[np.maximum(pos, 0)] >= 0
+        return np.where(dead, DEAD, self.token_map[ids]).astype(np.int32)
 
-    def stream(self, prompts: list[list[int]], seed: int = 0, speculative: bool = True) -> Iterator[np.ndarray]:
+    def _image_chunk(self, admissions: list[Admission], lo: np.ndarray, n_new: np.ndarray):
+        """(is_image [B, chunk], span embeddings [B, chunk, D]) of this chunk's feeds; (None, None) without
+        images (text batches keep their compiled program)."""
+        with_images = [a for a in admissions if a.token_types is not None]
+        if not with_images:
+            return None, None
+        chunk = self.sampling.prefill_chunk
+        is_image = np.zeros((self.batch, chunk), bool)
+        embeds = jnp.zeros((self.batch, chunk, self.cfg.dim), jnp.dtype(self.cfg.dtype))
+        for a in with_images:
+            j, n = a.start + lo[a.row], n_new[a.row]
+            is_image[a.row, :n] = np.asarray(a.token_types[j: j + n]) >= 0
+            embeds = embeds.at[a.row, :n].set(a.image_embeds[j: j + n].astype(embeds.dtype))
+        if self.mesh is not None:  # the tower ran on one device: the embeddings go where the batch is
+            embeds = jax.device_put(embeds, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        return jnp.asarray(is_image), embeds
+
+    def stream(self, prompts: list[list[int]], seed: int = 0, speculative: bool = True,
+               images: PromptInputs | None = None) -> Iterator[np.ndarray]:
         """Yields [B, n] new tokens (−1 = none: finished, or not emitted by a speculative step) block by block
         until every sequence stops; n = ``block`` (``block · (speculative + 1)`` with speculative decoding).
-        ``speculative=False`` decodes plainly even where the generator has a drafter."""
-        s = self.prefill(prompts)
+        ``speculative=False`` decodes plainly even where the generator has a drafter; ``images`` as in
+        :meth:`prefill`."""
+        s = self.prefill(prompts, images)
         s = s._replace(keys=jax.random.split(jax.random.key(seed), self.batch))
         if self.sampling.speculative and speculative:
             yield from self._stream_speculative(s)
@@ -340,9 +379,11 @@ class Generator:
         return spec, np.asarray(out).reshape(self.batch, -1)
 
     def generate(self, prompts: list[list[int]], seed: int = 0,
-                 on_block: Callable[[np.ndarray], None] | None = None, speculative: bool = True) -> list[list[int]]:
+                 on_block: Callable[[np.ndarray], None] | None = None, speculative: bool = True,
+                 images: PromptInputs | None = None) -> list[list[int]]:
+        """Generated ids per prompt; ``images`` as in :meth:`prefill`."""
         outs = [[] for _ in prompts]
-        for block in self.stream(prompts, seed, speculative):
+        for block in self.stream(prompts, seed, speculative, images):
             if on_block is not None:
                 on_block(block)
             for i, row in enumerate(block):
@@ -367,6 +408,8 @@ class Admission:
     seed: int = 0
     key_rows: int = 1
     key_index: int = 0
+    token_types: np.ndarray | None = None  # [len(tokens)]: an image prompt's types (dsv41_jax.vision.spans) ...
+    image_embeds: jax.Array | None = None  # ... and its span embeddings [len(tokens), D]
 
 
 class SpeculativeError(ValueError):
@@ -386,6 +429,14 @@ def check_speculative(cfg, sampling: SamplingConfig, drafter: DSpark | None) -> 
         raise SpeculativeError(f"CED prefill: the DSpark target layers {cfg.dspark.target_layer_ids} must come "
                                f"after the cut ({default_ced_cut(cfg)}), where every row of the drafter's window "
                                "is kept")
+
+
+def _check_images(prompts, images: PromptInputs) -> None:
+    for i, p in enumerate(prompts):
+        n = int(images.lengths[i])
+        if len(p) != n or not np.array_equal(np.asarray(p), images.ids[i, :n]):
+            raise ValueError(f"prompt {i} is not the expanded image prompt it comes with (its ids and length must "
+                             "be PromptInputs.ids[i, :lengths[i]])")
 
 
 def validate_prompts(prompts, batch: int, vocab: int, max_seq_len: int) -> None:

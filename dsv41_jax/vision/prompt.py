@@ -76,6 +76,9 @@ class ImageEncoder:
         in order across the batch), expanded and embedded."""
         if images_per_prompt is None:
             counts = [int(np.sum(np.asarray(p) == image_token_id)) for p in prompts]
+            if sum(counts) != len(images):
+                raise ValueError(f"the prompts hold {sum(counts)} image placeholder(s) but {len(images)} image(s) "
+                                 "were given")
             first = np.cumsum([0, *counts])
             images_per_prompt = [list(range(first[b], first[b + 1])) for b in range(len(prompts))]
         grids = [(im.n_llm_h, im.n_llm_w) for im in images]

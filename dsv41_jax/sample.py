@@ -81,10 +81,11 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
                                                               cfg.image_token_id if images else None)
     vision = None
     if images:
-        if run is not None:
-            raise ConfigError("--image: give the vision checkpoint with --ckpt or --hf-dir (a run holds the text "
-                              "backbone)")
-        vision, batch = _image_prompts(batch, images, cfg, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype)
+        if run is not None and not hasattr(loaded.model, "vision"):
+            raise ConfigError(f"--image: the run {run} has no vision tower (an image–text run has a vision: section "
+                              "in its config); or give a checkpoint with --ckpt / --hf-dir")
+        vision, batch = _image_prompts(batch, images, cfg, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype,
+                                       model=loaded.model if run is not None else None)
     draft_model = None
     if speculative is not None:
         if drafter is not None:
@@ -145,8 +146,9 @@ def acceptance_report(stats: dict) -> str:
     return "\n".join([*rows, total])
 
 
-def _image_prompts(batch: list[list[int]], images: Sequence[str], cfg, *, ckpt, hf_dir, dtype):
-    """(PromptInputs, expanded prompts): the images through the vision tower, each placeholder its span."""
+def _image_prompts(batch: list[list[int]], images: Sequence[str], cfg, *, ckpt, hf_dir, dtype, model=None):
+    """(PromptInputs, expanded prompts): the images through the vision tower (the checkpoint's, or ``model``'s
+    own: an image–text run), each placeholder its span."""
     from dsv41_jax.checkpoint.load import vision_encoder
     from dsv41_jax.vision.processor import process_image
     from dsv41_jax.vision.prompt import ImageEncoder
@@ -155,7 +157,7 @@ def _image_prompts(batch: list[list[int]], images: Sequence[str], cfg, *, ckpt, 
         processed = [process_image(path, cfg.vision) for path in images]
     except (OSError, ValueError) as err:
         raise ConfigError(f"--image: {err}") from None
-    encoder = ImageEncoder(vision_encoder(ckpt=ckpt, hf_dir=hf_dir, dtype=dtype))
+    encoder = ImageEncoder(model if model is not None else vision_encoder(ckpt=ckpt, hf_dir=hf_dir, dtype=dtype))
     try:
         inputs = encoder.prompt_inputs(batch, processed, cfg.image_token_id, pad_id=cfg.pad_token_id)
     except ValueError as err:

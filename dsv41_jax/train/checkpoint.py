@@ -335,8 +335,15 @@ def model_from_run(run_dir: str | Path, dtype: str = "float32", log: Callable[[s
             cfg = C.from_dict(saved["model"], source).replace(dtype=dtype)
             cfg = engram_consistent(cfg, token_map)
             ocfg = optim_from_dict(saved["optim"], source)
-            graphdef, params, biases, rest = split_model(abstract_model(cfg))
-            opt_state = jax.eval_shape(optimizer(cfg, ocfg).init, params)
+            if saved.get("vision") is not None:  # an image–text run: the backbone with its vision tower
+                from dsv41_jax.vision.config import from_dict as vision_from_dict
+                from dsv41_jax.vision.train import abstract_vision_model, vision_optimizer
+
+                model, tx = abstract_vision_model(cfg), vision_optimizer(cfg, ocfg, vision_from_dict(saved["vision"]))
+            else:
+                model, tx = abstract_model(cfg), optimizer(cfg, ocfg)
+            graphdef, params, biases, rest = split_model(model)
+            opt_state = jax.eval_shape(tx.init, params)
             like = TrainState(jax.ShapeDtypeStruct((), np.int32), params, biases, opt_state)
             like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like)
             try:

@@ -26,6 +26,8 @@ from dsv41_jax.optim import from_dict as optim_from_dict
 from dsv41_jax.posttrain.config import PosttrainConfig
 from dsv41_jax.posttrain.config import from_dict as posttrain_from_dict
 from dsv41_jax.train.guard import ACTIONS, NonFiniteConfig
+from dsv41_jax.vision.config import VisionTrainConfig
+from dsv41_jax.vision.config import from_dict as vision_from_dict
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 AUTO = -1  # a mesh axis written `auto` takes every device the other axes leave
@@ -128,6 +130,7 @@ class TrainConfig:
     seed: int = 0
     remat: str = "none"  # none | block | dots: rematerialise each transformer block (dots: keep matmuls)
     posttrain: PosttrainConfig | None = None  # QAT + replay fine-tuning (dsv41_jax.posttrain); None: pre-training
+    vision: VisionTrainConfig | None = None  # image–text training (dsv41_jax.vision.train); None: text only
     nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)  # a NaN/inf loss: stop or skip the batch
 
     def replace(self, **changes) -> TrainConfig:
@@ -187,6 +190,8 @@ def from_dict(data: dict, source: str | None = None) -> TrainConfig:
             changes[key] = _build(cls, sub or {}, getattr(base, key), f"{key}.", source)
     if "posttrain" in data:
         changes["posttrain"] = posttrain_from_dict(data["posttrain"], source)
+    if "vision" in data:
+        changes["vision"] = vision_from_dict(data["vision"], source)
     for key, tp in _SCALARS.items():
         if key in data:
             changes[key] = C.check_type(data[key], tp, key, source)
@@ -197,6 +202,8 @@ def from_dict(data: dict, source: str | None = None) -> TrainConfig:
 
 def validate(cfg: TrainConfig, source: str | None = None) -> None:
     d = cfg.data
+    if cfg.vision is not None and cfg.posttrain is not None:
+        _fail("a run config has a vision section (image–text training) or a posttrain section, not both", source)
     if d.source not in SOURCES:
         _fail(f"key 'data.source' must be one of {', '.join(SOURCES)}, got {d.source!r}", source)
     if d.source != "embedded" and not d.paths:

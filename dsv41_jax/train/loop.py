@@ -40,6 +40,7 @@ class Run:
     model_cfg: object
     dataset: object  # the grain IterDataset behind ``data`` (a new iterator restarts it)
     flops_per_token: float = 0.0  # model FLOPs (forward + backward), for MFU
+    evaluate: Callable | None = None  # state -> metrics logged at the end of a run (image–text: caption accuracy)
 
     def next_batch(self, data: DataState | None = None) -> dict:
         """The next optimizer step's global batch [A, B, ...], assembled from every host's rows."""
@@ -89,7 +90,12 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
     limit = device_limit_gb()
     log(format_preflight(report, limit))
     check_fits(report, limit, source)  # before anything is allocated
-    if cfg.posttrain is None:
+    evaluate = None
+    if cfg.vision is not None:  # image–text training (dsv41_jax.vision.train)
+        from dsv41_jax.vision.train import setup_vision
+
+        state, step_fn, ds, data, evaluate = setup_vision(cfg, model_cfg, mesh, tok_path, token_map, log)
+    elif cfg.posttrain is None:
         state, step_fn, _ = init_state(model_cfg, cfg.optim, mesh, cfg.seed, cfg.remat)
         ds = packed_dataset(docs, tok_path, model_cfg, token_map, seq_len=d.seq_len, batch_size=d.batch_size,
                             seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count(),
@@ -111,7 +117,7 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
         step, state, data_state = resumed
         data.restore(data_state)
         log(f"resumed from {ck.dir / str(step)} (step {step})")
-    return Run(cfg, mesh, state, step_fn, data, ck, model_cfg, ds, report.flops_per_token)
+    return Run(cfg, mesh, state, step_fn, data, ck, model_cfg, ds, report.flops_per_token, evaluate)
 
 
 def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None = None,
@@ -168,6 +174,11 @@ def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None
                 guard.settle()  # a non-finite step before this one stops the run before anything is saved
                 run.checkpointer.save(step, run.state, run.data.state(), dataclasses.asdict(cfg))
         guard.settle()
+    if run.evaluate is not None and main and end == cfg.steps:
+        scores = run.evaluate(run.state)
+        log("end of run: " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+        if history:
+            history[-1] |= scores
     return history
 
 

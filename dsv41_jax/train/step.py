@@ -9,7 +9,8 @@ forward and its loss terms. For a batch whose leaves are [A, b, ...] (A micro-ba
 * applies the optimizer update;
 * moves the router biases by the aux-loss-free rule after the update (they are not optimizer parameters;
   spec model §5.3, §9.1), each layer's load counted over the rows its objective marks live
-  (:attr:`LossAux.live`). The batches mark no image tokens, so only the text biases move;
+  (:attr:`LossAux.live`): ``bias`` by text rows, ``bias_vl`` by image-span rows (:attr:`LossAux.image`; text
+  batches mark none, so only the text biases move);
 * reports each loss term, ``loss`` (their weighted sum), ``grad_norm``, ``lr``, ``tokens`` (the count
   ``tokens``: the main cross-entropy's denominator), ``imbalance``, and the objective's own metrics;
 * applies nothing when ``loss`` or ``grad_norm`` is not finite (:func:`keep_if_not_finite`): the state keeps its
@@ -73,6 +74,7 @@ class LossAux(NamedTuple):
     sums: dict[str, Array]  # scalars summed over micro-batches: each term's numerator, and metric counters
     experts: tuple[Array, ...]  # per MoE layer [R, S, K]: the experts each row was routed to
     live: tuple[Array, ...]  # per layer [R, S]: the rows its bias rule and imbalance count
+    image: tuple[Array, ...] = ()  # per layer [R, S]: which of them are image-span tokens (they move bias_vl)
 
 
 class Term(NamedTuple):
@@ -126,7 +128,8 @@ def make_step(graphdef, rest, ocfg: OptimConfig, tx: optax.GradientTransformatio
             params = optax.apply_updates(state.params, updates)
         experts = [e.reshape(-1, *e.shape[2:]) for e in aux.experts]  # micro-batches merged: [A·R, S, K]
         live = [v.reshape(-1, v.shape[-1]) for v in aux.live]
-        biases = bias_update(state.biases, experts, live, ocfg.bias_update_speed)
+        image = [v.reshape(-1, v.shape[-1]) for v in aux.image] or None
+        biases = bias_update(state.biases, experts, live, ocfg.bias_update_speed, image)
         sums = {k: v.sum() for k, v in aux.sums.items()}
         values = {name: sums[name] / counts[t.over] for name, t in terms.items()}
         n_experts = jax.tree.leaves(state.biases)[0].shape[-1]  # every router bias is [E]
@@ -150,13 +153,15 @@ def keep_if_not_finite(new: TrainState, old: TrainState, loss: Array, grad_norm:
     return kept._replace(step=new.step), 1.0 - ok.astype(jnp.float32)
 
 
-def bias_update(biases, experts: list[Array], live: list[Bool[Array, "N S"]], speed: float):
+def bias_update(biases, experts: list[Array], live: list[Bool[Array, "N S"]], speed: float,
+                image: list[Bool[Array, "N S"]] | None = None):
     """The aux-loss-free rule (:func:`~dsv41_jax.optim.router_bias_update`), each layer's load counted over
-    that layer's live rows."""
+    that layer's live rows: ``bias`` by its text rows, ``bias_vl`` by its ``image`` rows (none: all text)."""
     routing = [Routing(e, None, None) for e in experts]
     moved = {}
     for i, layer in biases["layers"].items():  # the rule on one layer's biases at a time
-        new = router_bias_update({"layers": {i: layer}}, routing, speed, valid=live[i])
+        new = router_bias_update({"layers": {i: layer}}, routing, speed, valid=live[i],
+                                 is_image=None if image is None else image[i])
         moved |= {path_name(p): b for p, b in jax.tree_util.tree_flatten_with_path(new)[0]}
     return jax.tree_util.tree_map_with_path(lambda p, _: moved[path_name(p)], biases)
 

@@ -153,18 +153,32 @@ class VisionEncoder(nnx.Module):
 
     def __init__(self, cfg: VisionConfig, dim: int, *, dtype: str = "bfloat16", param_dtype: str = "float32",
                  rngs: nnx.Rngs):
-        dt, pdt = jnp.dtype(dtype), jnp.dtype(param_dtype)
-        self.vision = ViT(cfg, dtype=dt, param_dtype=pdt, rngs=rngs)
-        self.aligner = Aligner(cfg, dim, dtype=dt, param_dtype=pdt, rngs=rngs)
-        for name in ("image_start", "image_end", "image_newline"):
-            setattr(self, name, param("image_delimiter", normal(rngs, (dim,), 0.12, pdt)))
-        self.cfg, self.dtype = cfg, dt
+        add_tower(self, cfg, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.cfg, self.dtype = cfg, jnp.dtype(dtype)
 
     def __call__(self, patches: Float[Array, "I T C P Q"], n_h: int, n_w: int
                  ) -> tuple[Float[Array, "I T E"], Float[Array, "I L D"]]:
         """(ViT output after its final norm, aligner rows in reading order) of images of one grid."""
-        vit = self.vision(patches, n_h, n_w)
-        return vit, self.aligner(vit, n_h, n_w)
+        return encode(self, patches, n_h, n_w)
 
     def delimiters(self) -> tuple[Float[Array, " D"], Float[Array, " D"], Float[Array, " D"]]:
-        return self.image_start[...], self.image_end[...], self.image_newline[...]
+        return delimiters(self)
+
+
+def add_tower(module: nnx.Module, cfg: VisionConfig, dim: int, *, dtype, param_dtype, rngs: nnx.Rngs) -> None:
+    """Give ``module`` the tower's attributes, named as in the checkpoint: ``vision``, ``aligner``, ``image_*``."""
+    dt, pdt = jnp.dtype(dtype), jnp.dtype(param_dtype)
+    module.vision = ViT(cfg, dtype=dt, param_dtype=pdt, rngs=rngs)
+    module.aligner = Aligner(cfg, dim, dtype=dt, param_dtype=pdt, rngs=rngs)
+    for name in ("image_start", "image_end", "image_newline"):
+        setattr(module, name, param("image_delimiter", normal(rngs, (dim,), 0.12, pdt)))
+
+
+def encode(module: nnx.Module, patches, n_h: int, n_w: int):
+    """(ViT output, aligner rows) through ``module``'s tower (:func:`add_tower`)."""
+    vit = module.vision(patches, n_h, n_w)
+    return vit, module.aligner(vit, n_h, n_w)
+
+
+def delimiters(module: nnx.Module):
+    return module.image_start[...], module.image_end[...], module.image_newline[...]

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
-from dsv41_jax.vision.encoder import VisionEncoder
+from dsv41_jax.vision.encoder import delimiters, encode
 from dsv41_jax.vision.processor import ProcessedImage
 from dsv41_jax.vision.spans import IMAGE_END, IMAGE_START, Span, expand_prompt, row_index, span_embeddings
 
@@ -50,14 +50,16 @@ def spans_of(token_types: np.ndarray) -> list[tuple[int, int]]:
 
 
 class ImageEncoder:
-    """The vision tower, compiled per image grid."""
+    """The vision tower of a :class:`VisionEncoder` (or of a model trained with one, ``VisionLanguageModel``),
+    compiled per image grid."""
 
-    def __init__(self, encoder: VisionEncoder):
+    def __init__(self, encoder: nnx.Module):
         graphdef, self.state = nnx.split(encoder)
-        self.cfg = encoder.cfg
-        self._encode = jax.jit(lambda st, p, n_h, n_w: nnx.merge(graphdef, st)(p, n_h, n_w), static_argnums=(2, 3))
+        self.cfg = encoder.vision.cfg
+        self._encode = jax.jit(lambda st, p, n_h, n_w: encode(nnx.merge(graphdef, st), p, n_h, n_w),
+                               static_argnums=(2, 3))
         self._embeds = jax.jit(lambda st, t, rows, idx: span_embeddings(t, rows, idx,
-                                                                         *nnx.merge(graphdef, st).delimiters()))
+                                                                         *delimiters(nnx.merge(graphdef, st))))
 
     def encode(self, image: ProcessedImage) -> Encoded:
         vit, rows = self._encode(self.state, jnp.asarray(image.patches)[None], image.n_vit_h, image.n_vit_w)

@@ -26,6 +26,7 @@ from dsv41_jax.optim import from_dict as optim_from_dict
 from dsv41_jax.posttrain.config import PosttrainConfig
 from dsv41_jax.posttrain.config import from_dict as posttrain_from_dict
 from dsv41_jax.train.guard import ACTIONS, NonFiniteConfig
+from dsv41_jax.train.validation import ValidationConfig
 from dsv41_jax.vision.config import VisionTrainConfig
 from dsv41_jax.vision.config import from_dict as vision_from_dict
 
@@ -132,6 +133,7 @@ class TrainConfig:
     posttrain: PosttrainConfig | None = None  # QAT + replay fine-tuning (dsv41_jax.posttrain); None: pre-training
     vision: VisionTrainConfig | None = None  # image–text training (dsv41_jax.vision.train); None: text only
     nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)  # a NaN/inf loss: stop or skip the batch
+    validation: ValidationConfig = field(default_factory=ValidationConfig)  # held-out documents and val_loss
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -147,7 +149,7 @@ class TrainConfig:
 
 
 _SECTIONS = {"mesh": MeshConfig, "data": DataConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
-             "distributed": DistributedConfig, "nonfinite": NonFiniteConfig}
+             "distributed": DistributedConfig, "nonfinite": NonFiniteConfig, "validation": ValidationConfig}
 SOURCES = ("embedded", "text", "jsonl", "parquet", "arrayrecord")
 _SCALARS = {"steps": int, "grad_accum": int, "seed": int, "remat": str}
 
@@ -230,6 +232,12 @@ def validate(cfg: TrainConfig, source: str | None = None) -> None:
         _fail(f"key 'steps' ({cfg.steps}) is beyond the learning-rate schedule's key 'optim.total_steps' "
               f"({cfg.optim.total_steps}); raise optim.total_steps (with optim.constant_until and "
               f"optim.decay_until) to cover the run, or lower steps", source)
+    v = cfg.validation
+    if v.documents < 0 or v.every < 1 or v.batches < 1:
+        _fail(f"need validation.documents ≥ 0, validation.every ≥ 1 and validation.batches ≥ 1, got {v.documents}, "
+              f"{v.every} and {v.batches}", source)
+    if v.documents and (cfg.posttrain is not None or cfg.vision is not None):
+        _fail("validation.documents applies to pre-training runs (no posttrain: or vision: section)", source)
     if cfg.remat not in ("none", "block", "dots"):
         _fail(f"key 'remat' must be none, block or dots, got {cfg.remat!r}", source)
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1 or cfg.logging.every < 1:

@@ -25,6 +25,7 @@ from dsv41_jax.train.guard import NonFiniteGuard, stopping
 from dsv41_jax.train.preflight import check_fits, device_limit_gb, format_preflight, peak_flops, preflight
 from dsv41_jax.train.report import RunReport
 from dsv41_jax.train.step import batch_sharding, build_mesh, init_state
+from dsv41_jax.train.validation import Validator, hold_out, validator_for
 
 
 @dataclasses.dataclass
@@ -41,6 +42,7 @@ class Run:
     dataset: object  # the grain IterDataset behind ``data`` (a new iterator restarts it)
     flops_per_token: float = 0.0  # model FLOPs (forward + backward), for MFU
     evaluate: Callable | None = None  # state -> metrics logged at the end of a run (image–text: caption accuracy)
+    validator: Validator | None = None  # val_loss over the held-out documents (validation.documents)
 
     def next_batch(self, data: DataState | None = None) -> dict:
         """The next optimizer step's global batch [A, B, ...], assembled from every host's rows."""
@@ -70,6 +72,7 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
     d = cfg.data
     docs = open_documents(d.source, d.paths, d.max_documents, jsonl_key=d.jsonl_key,
                           parquet_column=d.parquet_column)
+    docs, held_out = hold_out(docs, cfg.validation.documents) if cfg.validation.documents else (docs, None)
     if cfg.posttrain is not None and d.tokenizer == "train" and jax.process_index() == 0:
         from dsv41_jax.posttrain.recipe import prepare_tokenizer
 
@@ -83,8 +86,9 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
         multihost_utils.sync_global_devices("dsv41 tokenizer ready")
     tok_path, token_map = load_or_train(d.tokenizer, run_dir / "tokenizer.json", cfg.model, train_docs)
     model_cfg = engram_consistent(cfg.model, token_map)
+    held = f" (and {len(held_out)} held out)" if held_out else ""
     log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
-        f"{len(docs)} documents; tokenizer {tok_path} (engram.compressed_vocab_size "
+        f"{len(docs)} documents{held}; tokenizer {tok_path} (engram.compressed_vocab_size "
         f"{model_cfg.engram.compressed_vocab_size})")
     report = preflight(model_cfg, cfg.optim, dict(mesh.shape), d.batch_size, d.seq_len, cfg.remat, cfg.grad_accum)
     limit = device_limit_gb()
@@ -117,7 +121,8 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
         step, state, data_state = resumed
         data.restore(data_state)
         log(f"resumed from {ck.dir / str(step)} (step {step})")
-    return Run(cfg, mesh, state, step_fn, data, ck, model_cfg, ds, report.flops_per_token, evaluate)
+    validator = None if held_out is None else validator_for(held_out, tok_path, model_cfg, token_map, cfg, mesh)
+    return Run(cfg, mesh, state, step_fn, data, ck, model_cfg, ds, report.flops_per_token, evaluate, validator)
 
 
 def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None = None,
@@ -157,7 +162,8 @@ def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None
                                                   f"{time.perf_counter() - tick:.1f} s")
                 tick, since = time.perf_counter(), step
             run.checkpointer.poll()
-            if step % cfg.logging.every == 0 or step == end:
+            validate = run.validator is not None and (step % cfg.validation.every == 0 or step == end)
+            if step % cfg.logging.every == 0 or step == end or validate:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 now = time.perf_counter()
                 done, took = step - since, now - tick
@@ -166,7 +172,9 @@ def train(cfg: TrainConfig, source: str | None = None, *, stop_after: int | None
                     m |= {"step_s": took / done, "tokens_per_s": tokens_per_step * done / took}
                     if peak:
                         m["mfu"] = m["tokens_per_s"] * run.flops_per_token / (peak * jax.device_count())
-                tick, since = now, step
+                if validate:  # its time counts in no rate
+                    m["val_loss"] = run.validator.loss(run.state)
+                tick, since = time.perf_counter(), step
                 history.append(m)
                 report.record(m, end)
             guard.dispatched(step, metrics)  # after the step's row: a stopping step is in the log

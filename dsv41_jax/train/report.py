@@ -264,7 +264,8 @@ def _stopped(path: Path, err: OSError):
 def format_line(m: dict[str, float], end: int) -> str:
     """One logged row; the first step's row alone (it compiled) has no rate or ETA."""
     text = (f"step {m['step']:5d}  loss {m['loss']:.4f}  ce {m['ce']:.4f}  bal {m['balance']:.2e}  "
-            f"|g| {m['grad_norm']:.3f}  lr {m['lr']:.2e}  imb {m['imbalance']:.2f}")
+            f"|g| {m['grad_norm']:.3f}  lr {m['lr']:.2e}  imb {m['imbalance']:.2f}"
+            + (f"  val {m['val_loss']:.4f}" if "val_loss" in m else ""))
     if "step_s" not in m:
         return text + f"  [{m['step']}/{end}]"
     return (text + f"  {m['tokens_per_s']:.0f} tok/s  {m['step_s']:.2f} s/step"

@@ -158,3 +158,19 @@ def test_a_disk_that_fills_mid_run_stops_it_promptly_with_the_last_good_step_int
         step, state = _restored(run_dir, run.state)
         assert step == 2
         _same(state, steps.seen[2])
+
+
+def test_validation_loss_of_held_out_documents(base_run, tmp_path):
+    """validation.documents are held out of the run's corpus; val_loss at every validation.every steps and at
+    the end equals the train step's own cross-entropy (its objective, a separate code path) on those batches."""
+    cfg = _cfg(tmp_path / "run", steps=3, every=0, validation={"documents": 6, "every": 2, "batches": 2})
+    lines: list[str] = []
+    run = dataclasses.replace(setup(cfg, log=lines.append), step_fn=base_run[0].step_fn)  # the compiled step
+    assert "; 24 documents (and 6 held out); " in lines[0], lines[0]
+    history = train(cfg, run=run, log=lambda _: None)
+    assert ["val_loss" in m for m in history] == [False, True, True]
+    assert [r.get("val_loss") for r in _rows(tmp_path / "run")] == [m.get("val_loss") for m in history]
+    sums = [run.step_fn(jax.tree.map(jnp.copy, run.state), b)[1] for b in run.validator.batches]
+    want = sum(float(m["ce"]) * float(m["tokens"]) for m in sums) / sum(float(m["tokens"]) for m in sums)
+    assert history[-1]["val_loss"] == pytest.approx(want, rel=1e-6)
+    assert history[-1]["val_loss"] != history[-2]["val_loss"]  # the parameters moved

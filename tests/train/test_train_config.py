@@ -63,6 +63,7 @@ def test_overrides_reach_nested_keys():
     ({"model": {"preset": "tiny"}, "optim": {"indexer_kl_over": "all"}}, "indexer_kl_over"),
     ({"model": {"dim": 8}}, r"model\.preset"),
     ({"model": {"preset": "tiny"}, "data": {"max_documents": 0}}, r"data\.max_documents"),
+    ({"model": {"preset": "tiny"}, "validation": {"documents": 4, "every": 0}}, r"validation\.every ≥ 1"),
     ({"model": {"preset": "tiny"}, "data": {"packing": "first_fit"}}, r"key 'data\.packing' must be one of concat, "
      "best_fit"),
     ({"model": {"preset": "tiny"}, "optim": {"warmup_steps": 2, "constant_until": 5, "decay_until": 8,

@@ -182,6 +182,21 @@ def _cmd_profile_sps(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    """An OpenAI-compatible HTTP server (continuous batching, tiered prefix cache); needs the ``serve`` extra."""
+    try:
+        from dsv41_jax.serve import ServeOptions, serve
+    except ImportError as err:
+        raise C.ConfigError(f"dsv41 serve needs the serve extra: pip install 'dsv41-jax[serve]' ({err})") from None
+    opts = ServeOptions(max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_queue=args.max_queue,
+                        prefill_mode=args.prefill_mode, prefill_chunk=args.prefill_chunk, block=args.block,
+                        dtype=args.dtype, mesh=args.mesh, name=args.served_model_name,
+                        prefix_cache_dir=args.prefix_cache_dir, host_cache_gb=args.host_cache_gb,
+                        disk_cache_gb=args.disk_cache_gb, swa_pool_gb=args.swa_pool_gb, swa_ttl=args.swa_ttl)
+    serve(opts, host=args.host, port=args.port, run=args.run, ckpt=args.ckpt, hf_dir=args.hf_dir)
+    return 0
+
+
 def _cmd_train(args) -> int:
     """Pre-train from a YAML run config (resumes from the latest checkpoint in checkpoint.dir), or plan it; a
     config with a dspark_train section trains a DSpark drafter for a pre-trained run instead."""
@@ -322,6 +337,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", "--precision", dest="dtype", default="bfloat16", type=_precision)
     p.add_argument("--out", default="sps.json")
     p.set_defaults(fn=_cmd_profile_sps)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching and a tiered "
+                       "prefix cache (pip install 'dsv41-jax[serve]')")
+    _add_checkpoint_source(p, run=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=A.at_least(0), default=8000)
+    p.add_argument("--served-model-name", help="the model id of the API (default: the checkpoint directory's name)")
+    p.add_argument("--max-batch", type=A.at_least(1), default=8, help="batch rows: requests decoded at once")
+    p.add_argument("--max-seq-len", type=A.at_least(2), default=4096, help="cache length per row: prompt + output")
+    p.add_argument("--max-queue", type=A.at_least(1), default=256, help="waiting requests beyond which 429 answers")
+    p.add_argument("--prefill-mode", default="ced", choices=["exact", "ced"], help="prefill of a prefix-cache miss")
+    p.add_argument("--prefill-chunk", type=A.at_least(1), default=512)
+    p.add_argument("--block", type=A.at_least(1), default=8, help="decode steps per compiled block (requests "
+                   "join and leave between blocks)")
+    p.add_argument("--dtype", "--precision", dest="dtype", default="bfloat16", type=_precision)
+    p.add_argument("--prefix-cache-dir", help="persist the prefix cache's global KV here (survives a restart)")
+    p.add_argument("--host-cache-gb", type=A.at_least(0.0, float), default=8.0, help="host RAM tier budget")
+    p.add_argument("--disk-cache-gb", type=A.at_least(0.0, float), default=256.0, help="disk tier budget")
+    p.add_argument("--swa-pool-gb", type=A.at_least(0.0, float), default=2.0, help="SWA ring pool budget")
+    p.add_argument("--swa-ttl", type=A.at_least(0.0, float), default=300.0, help="seconds a finished "
+                   "conversation's SWA rings are kept (after that a hit replays the window)")
+    _add_mesh(p)
+    p.set_defaults(fn=_cmd_serve)
     p = sub.add_parser("train", help="pre-train from a YAML run config (model, optim, mesh, data, checkpoint)")
     p.add_argument("--config", required=True, help="run config: a YAML file, or a shipped one by name "
                    "(pretrain_tiny, qat_tiny, v41_flash_pretrain; configs/NAME.yaml works from any directory)")

@@ -261,49 +261,17 @@ class Generator:
                                          for i, p in enumerate(prompts)])
 
     def admit(self, s: DecodeState, admissions: list[Admission]) -> DecodeState:
-        """Prefill each admission's ``tokens[start:]`` into its row; the other rows are left as they are.
+        """Prefill each admission's ``tokens[start:]`` into its row (all chunks of :meth:`plan`)."""
+        plan = self.plan(admissions)
+        s = plan.begin(s)
+        for k in range(plan.n_chunks):
+            s = plan.chunk(s, k)
+        return s
 
-        A row's cache must already hold its global KV below ``start`` (and its SWA ring, unless the admission
-        replays). Feeds are right-aligned on the chunk grid, so every sequence ends in the final chunk: CED
-        runs the layers after its cut only there, on each sequence's last ``window`` tokens. The admitted rows
-        get their sampling settings (default: the generator's), their key, step 0, and are not done. An image
-        span may cross chunk boundaries: each chunk takes its slice of the span embeddings, and the Engram
-        history carries the span's DEAD flags.
-        """
-        b, chunk = self.batch, self.sampling.prefill_chunk
-        mask, feed = np.zeros(b, bool), np.zeros(b, np.int64)
-        start, floor, replay = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
-        history, n_seen = np.asarray(s.history).copy(), np.asarray(s.n_seen).copy()
-        for a in admissions:
-            mask[a.row], start[a.row], feed[a.row] = True, a.start, len(a.tokens) - a.start
-            if a.replay_hit is not None:
-                replay[a.row], floor[a.row] = a.start, a.replay_hit
-            history[a.row], n_seen[a.row] = self.history_before(a.tokens, a.start, a.token_types), a.start
-        m = jnp.asarray(mask)
-        cache = s.cache._replace(lengths=jnp.where(m, jnp.asarray(start), s.cache.lengths))
-        history, n_seen, dcache, logits = jnp.asarray(history), jnp.asarray(n_seen), s.draft, s.logits
-        n_chunks = -(-int(feed.max()) // chunk)
-        for k in range(n_chunks):
-            hi = feed - (n_chunks - 1 - k) * chunk  # exclusive end of each row's slice of its feed in this chunk
-            lo = np.maximum(hi - chunk, 0)
-            n_new = np.where(mask, np.maximum(hi - lo, 0), 0)
-            tokens = np.zeros((b, chunk), np.int32)
-            for a in admissions:
-                j = a.start + lo[a.row]
-                tokens[a.row, : n_new[a.row]] = a.tokens[j: j + n_new[a.row]]
-            is_image, embeds = self._image_chunk(admissions, lo, n_new)
-            new, cache, dcache, history, n_seen = self._prefill(
-                self.state, self.dstate, cache, dcache, history, n_seen, jnp.asarray(tokens),
-                jnp.asarray(n_new, jnp.int32), jnp.asarray(replay), jnp.asarray(floor), is_image, embeds,
-                self._chunk_options[k == n_chunks - 1])
-            if k == n_chunks - 1:
-                logits = jnp.where(m[:, None], new, logits)
-        keys, rows = s.keys, s.rows
-        for a in admissions:
-            keys = keys.at[a.row].set(jax.random.split(jax.random.key(a.seed), a.key_rows)[a.key_index])
-            if a.sampling is not None:
-                rows = RowSampling(*(x.at[a.row].set(v) for x, v in zip(rows, a.sampling, strict=True)))
-        return DecodeState(cache, logits, history, n_seen, s.done & ~m, keys, jnp.where(m, 0, s.step), rows, dcache)
+    def plan(self, admissions: list[Admission]) -> AdmissionPlan:
+        """The chunked prefill of ``admissions`` into their rows, to run chunk by chunk (a server decodes the
+        running rows between chunks)."""
+        return AdmissionPlan(self, admissions)
 
     def history_before(self, tokens: list[int], start: int, token_types: np.ndarray | None = None) -> np.ndarray:
         """The Engram history before position ``start`` of ``tokens``: the last J-1 compressed ids, DEAD before 0
@@ -389,6 +357,66 @@ class Generator:
             for i, row in enumerate(block):
                 outs[i].extend(int(t) for t in row if t >= 0)
         return outs
+
+
+class AdmissionPlan:
+    """Prefill of new sequences into chosen rows; the other rows are left as they are.
+
+    A row's cache must already hold its global KV below ``start`` (and its SWA ring, unless the admission
+    replays). Feeds are right-aligned on the chunk grid, so every sequence ends in the final chunk: CED runs the
+    layers after its cut only there, on each sequence's last ``window`` tokens. :meth:`begin` sets the rows'
+    positions (they stay done, so decode blocks between chunks leave them alone); the last :meth:`chunk` gives
+    them their logits, sampling settings (default: the generator's), key and step 0, and starts them. An image
+    span may cross chunk boundaries: each chunk takes its slice of the span embeddings, and the Engram history
+    carries the span's DEAD flags.
+    """
+
+    def __init__(self, gen: Generator, admissions: list[Admission]):
+        b, chunk = gen.batch, gen.sampling.prefill_chunk
+        self.gen, self.admissions = gen, admissions
+        self.mask, feed = np.zeros(b, bool), np.zeros(b, np.int64)
+        self.start, self.floor, self.replay = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for a in admissions:
+            self.mask[a.row], self.start[a.row], feed[a.row] = True, a.start, len(a.tokens) - a.start
+            if a.replay_hit is not None:
+                self.replay[a.row], self.floor[a.row] = a.start, a.replay_hit
+        self.n_chunks = -(-int(feed.max()) // chunk)
+        self.tokens, self.n_new = np.zeros((self.n_chunks, b, chunk), np.int32), np.zeros((self.n_chunks, b), np.int32)
+        self.lo = np.zeros((self.n_chunks, b), np.int64)
+        for k in range(self.n_chunks):
+            hi = feed - (self.n_chunks - 1 - k) * chunk  # exclusive end of each row's slice of its feed
+            self.lo[k] = np.maximum(hi - chunk, 0)
+            self.n_new[k] = np.where(self.mask, np.maximum(hi - self.lo[k], 0), 0)
+            for a in admissions:
+                j, n = a.start + self.lo[k, a.row], self.n_new[k, a.row]
+                self.tokens[k, a.row, :n] = a.tokens[j: j + n]
+
+    def begin(self, s: DecodeState) -> DecodeState:
+        history, n_seen = np.asarray(s.history).copy(), np.asarray(s.n_seen).copy()
+        for a in self.admissions:
+            history[a.row], n_seen[a.row] = self.gen.history_before(a.tokens, a.start, a.token_types), a.start
+        lengths = jnp.where(jnp.asarray(self.mask), jnp.asarray(self.start), s.cache.lengths)
+        return s._replace(cache=s.cache._replace(lengths=lengths), history=jnp.asarray(history),
+                          n_seen=jnp.asarray(n_seen), done=s.done | jnp.asarray(self.mask))
+
+    def chunk(self, s: DecodeState, k: int) -> DecodeState:
+        g, last = self.gen, k == self.n_chunks - 1
+        is_image, embeds = g._image_chunk(self.admissions, self.lo[k], self.n_new[k])
+        new, cache, dcache, history, n_seen = g._prefill(
+            g.state, g.dstate, s.cache, s.draft, s.history, s.n_seen, jnp.asarray(self.tokens[k]),
+            jnp.asarray(self.n_new[k]), jnp.asarray(self.replay), jnp.asarray(self.floor), is_image, embeds,
+            g._chunk_options[last])
+        s = s._replace(cache=cache, draft=dcache, history=history, n_seen=n_seen)
+        if not last:
+            return s
+        m = jnp.asarray(self.mask)
+        keys, rows = s.keys, s.rows
+        for a in self.admissions:
+            keys = keys.at[a.row].set(jax.random.split(jax.random.key(a.seed), a.key_rows)[a.key_index])
+            if a.sampling is not None:
+                rows = RowSampling(*(x.at[a.row].set(v) for x, v in zip(rows, a.sampling, strict=True)))
+        return s._replace(logits=jnp.where(m[:, None], new, s.logits), done=s.done & ~m, keys=keys,
+                          step=jnp.where(m, 0, s.step), rows=rows)
 
 
 @dataclass(frozen=True)

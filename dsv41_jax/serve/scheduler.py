@@ -1,9 +1,11 @@
 """Continuous batching: one thread drives the engine's batch rows; requests join and leave between decode blocks.
 
 Each loop: take new requests, drop cancelled ones (their rows are freed), admit waiting requests into free rows
-(one ragged prefill of all of them: :meth:`Generator.admit`, running rows untouched), then run one compiled
-decode block over every row and hand each request its new text. Sampling settings are per-row arrays, so no
-request ever compiles anything: the shapes are the prefill chunk and the decode block, built at start-up.
+(one ragged prefill of all of them, :class:`~dsv41_jax.engine.sampling.AdmissionPlan`, running rows untouched)
+one chunk at a time, and run one compiled decode block over the running rows between chunks, handing each
+request its new text: a long prompt never stalls the streams already running. Sampling settings are per-row
+arrays, so no request ever compiles anything: the shapes are the prefill chunk and the decode block, built at
+start-up.
 
 A finished row keeps its state (the **device tier** of the prefix cache): a request that continues that exact
 sequence resumes in place with its SWA window live. When the row is needed by someone else, its global KV is
@@ -28,7 +30,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from dsv41_jax import cache as C
-from dsv41_jax.engine.sampling import Admission, Generator
+from dsv41_jax.engine.sampling import Admission, AdmissionPlan, Generator
 from dsv41_jax.serve.metrics import Metrics
 from dsv41_jax.serve.prefix_cache import BLOCK, Entry, PrefixCache
 from dsv41_jax.serve.text import TextStream
@@ -79,6 +81,7 @@ class Row:
     request: Request | None = None
     tokens: list[int] = field(default_factory=list)  # what the row's cache holds
     parked: bool = False  # finished, its state kept (device tier)
+    active: bool = False  # prefilled: decoding
     salt: str = ""
     used: float = 0.0
 
@@ -110,6 +113,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.wake = threading.Event()
         self.error: str | None = None
+        self.admitting: tuple[AdmissionPlan, int] | None = None  # the prefill under way and its next chunk
         self._stop = False
         self._take = jax.jit(_take_row)
         self._put = jax.jit(_put_row, donate_argnums=0)
@@ -159,10 +163,13 @@ class Scheduler:
             while not self._stop:
                 self._take_inbox()
                 self._drop_cancelled()
-                self._admit()
-                if any(r.request is not None for r in self.rows):
+                if self.admitting is None:
+                    self._admit()
+                if self.admitting is not None:
+                    self._prefill_chunk()
+                if any(r.active for r in self.rows):
                     self._decode()
-                else:
+                elif self.admitting is None:
                     self.wake.wait(0.05)
                     self.wake.clear()
                 self.metrics.occupancy.set(sum(r.request is not None for r in self.rows))
@@ -186,7 +193,7 @@ class Scheduler:
             self.waiting.remove(req)
             self.metrics.cancelled.inc()
         for i, row in enumerate(self.rows):
-            if row.request is not None and row.request.cancelled:
+            if row.active and row.request.cancelled:
                 self.metrics.cancelled.inc()
                 self._finish(i, None)
 
@@ -205,7 +212,16 @@ class Scheduler:
                                         (req.temperature, req.top_k, req.top_p, req.max_new), seed))
             self.metrics.prompt_tokens.inc(len(req.prompt))
         if admissions:
-            self.state = self.gen.admit(self.state, admissions)
+            plan = self.gen.plan(admissions)
+            self.state, self.admitting = plan.begin(self.state), (plan, 0)
+
+    def _prefill_chunk(self) -> None:
+        plan, k = self.admitting
+        self.state = plan.chunk(self.state, k)
+        self.admitting = (plan, k + 1) if k + 1 < plan.n_chunks else None
+        if self.admitting is None:
+            for a in plan.admissions:
+                self.rows[a.row].active = True
 
     def _place(self, req: Request) -> Admission | None:
         """A row for ``req`` and where its prefill starts: a device, host or disk hit, or a miss."""
@@ -259,7 +275,7 @@ class Scheduler:
         now = time.monotonic()
         for i, row in enumerate(self.rows):
             req = row.request
-            if req is None:
+            if not row.active:
                 continue
             text, ids, lps, reason = "", [], [], None
             for j, t in enumerate(int(x) for x in tokens[i]):
@@ -307,7 +323,7 @@ class Scheduler:
         row = self.rows[i]
         self.metrics.requests.labels(finish=reason or "cancelled").inc()
         self.state = self.state._replace(done=self.state.done.at[i].set(True))
-        row.request, row.parked, row.used = None, True, time.monotonic()
+        row.request, row.parked, row.active, row.used = None, True, False, time.monotonic()
         if self.cache is not None and len(row.tokens) >= BLOCK:
             sources, rings = jax.device_get(self._take(self.state.cache, i))
             n = len(row.tokens)

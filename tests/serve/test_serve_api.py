@@ -196,14 +196,16 @@ def test_bad_requests_name_the_field(server):
 
 def test_concurrent_streams_equal_their_single_results(server, rng):
     """16 streaming clients with different lengths and settings share 4 rows: each result (greedy, or sampled
-    with a seed) equals the same request made alone; nothing is lost and the server stays up."""
-    prompts = [[0, *rng.integers(4, 500, size=int(rng.integers(3, 14))).tolist()] for _ in range(16)]
+    with a seed) equals the same request made alone; nothing is lost and the server stays up. Four prompts
+    take two or three prefill chunks, run one at a time between the running rows' decode blocks."""
+    lengths = [int(rng.integers(100, 180)) if i % 5 == 0 else int(rng.integers(3, 14)) for i in range(16)]
+    prompts = [[0, *rng.integers(4, 500, size=n).tolist()] for n in lengths]
     settings = [dict(temperature=0.9, top_p=1.0, extra={"top_k": 20}) if i % 4 == 0 else
                 dict(temperature=0.7, top_p=0.8) if i % 4 == 1 else dict(temperature=0.0) for i in range(16)]
 
-    def run(i, stream):
+    def run(i, stream):  # a salt of its own: the single run must not find the concurrent run's conversation
         kw = dict(settings[i])
-        extra = {"return_token_ids": True, "cache_salt": f"c{i}", **kw.pop("extra", {})}
+        extra = {"return_token_ids": True, "cache_salt": f"{stream}{i}", **kw.pop("extra", {})}
         r = server.client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=3 + (5 * i) % 17, seed=i,
                                              stream=stream, extra_body=extra, **kw)
         if not stream:

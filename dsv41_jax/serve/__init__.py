@@ -33,8 +33,10 @@ class ServeOptions:
 def build(opts: ServeOptions, *, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | None = None,
           hf_dir: str | os.PathLike | None = None, log: Callable[[str], None] = print):
     """The FastAPI app and its scheduler (already compiled and running)."""
+    import jax
     from tokenizers import Tokenizer
 
+    from dsv41_jax.config import ConfigError
     from dsv41_jax.engine.mesh import load_for_serving
     from dsv41_jax.engine.sampling import Generator, SamplingConfig
     from dsv41_jax.engram_device import device_engram
@@ -49,8 +51,12 @@ def build(opts: ServeOptions, *, run: str | os.PathLike | None = None, ckpt: str
     tok = Tokenizer.from_file(str(loaded.tokenizer))
     sampling = SamplingConfig(temperature=0.0, stop_tokens=(cfg.eos_token_id,), prefill_chunk=opts.prefill_chunk,
                               prefill_mode=opts.prefill_mode, block=opts.block)
-    gen = Generator(loaded.model, device_engram(loaded.hasher), opts.max_batch, opts.max_seq_len, sampling,
-                    mesh=mesh, top_logprobs=20)
+    try:  # before anything compiles: settings the engine refuses are the user's one-line error
+        gen = Generator(loaded.model, device_engram(loaded.hasher), opts.max_batch, opts.max_seq_len, sampling,
+                        mesh=mesh, top_logprobs=20)
+        jax.eval_shape(gen.empty)
+    except ValueError as err:
+        raise ConfigError(f"dsv41 serve: {err}") from None
     gb = 1 << 30
     cache = PrefixCache(host_bytes=int(opts.host_cache_gb * gb), disk_dir=opts.prefix_cache_dir,
                         disk_bytes=int(opts.disk_cache_gb * gb), swa_bytes=int(opts.swa_pool_gb * gb),

@@ -124,3 +124,14 @@ def test_tiers_lru_ttl_and_disk_round_trip(tmp_path, rng):
     assert len(again.disk) == 2 and not again.host  # the disk budget keeps two
     hit = again.lookup(np.concatenate([e[2].tokens, [7]]), 48)
     assert hit.tier == "disk" and hit.rings is None and np.array_equal(hit.entry.arrays[0], e[2].arrays[0])
+
+
+def test_serve_settings_the_engine_refuses_are_one_line(golden_dir, capsys):
+    from dsv41_jax.cli import main
+
+    pytest.importorskip("fastapi")
+    hf = str(golden_dir / "tiny_hf")
+    assert main(["serve", "--hf-dir", hf, "--max-seq-len", "255"]) == 2
+    assert main(["serve", "--hf-dir", hf, "--prefill-chunk", "4"]) == 2  # CED (the default) needs ≥ window
+    err = capsys.readouterr().err
+    assert "max_seq_len 255 must be a multiple of every compress ratio" in err and "prefill_chunk ≥ window" in err

@@ -3,7 +3,8 @@
 A finished (or interrupted) sequence leaves its **global KV** (per KV source: packed main KV + index keys of
 every entry, and the ratio-2 compressor carry: 890 B/token at release size) here, keyed by the SHA-256 of its
 token ids, in host RAM and, with a directory, on disk through tensorstore (one zarr byte array per entry plus a
-``meta.json``; it survives a restart). Its **SWA rings** go to a separate pool with a time-to-live: they are
+``meta.json``, written by a thread of its own so that decoding never waits for the disk; it survives a
+restart). Its **SWA rings** go to a separate pool with a time-to-live: they are
 never persisted. The device tier is the engine's own batch rows (a finished row keeps its state until the
 row is needed): :mod:`dsv41_jax.serve.scheduler` looks there first.
 
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import queue
 import shutil
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -74,9 +77,20 @@ class PrefixCache:
         self.salts: dict[str, str] = {}
         self.blocks: dict[bytes, set[str]] = {}
         self.dir = Path(disk_dir) if disk_dir else None
+        self._writes: queue.Queue[tuple[str, Entry] | None] = queue.Queue()
+        self._written: queue.Queue[tuple[str, int]] = queue.Queue()
+        self._pending: set[str] = set()
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._scan_disk()
+            self._writer = threading.Thread(target=self._write_loop, name="dsv41-prefix-writer", daemon=True)
+            self._writer.start()
+
+    def flush(self) -> None:
+        """Wait until every entry handed to the disk tier is written (at shutdown)."""
+        if self.dir is not None:
+            self._writes.join()
+            self._collect()
 
     # -- tiers' sizes (metrics)
     def tier_bytes(self) -> dict[str, int]:
@@ -90,8 +104,9 @@ class PrefixCache:
             self._index(key, entry.tokens, entry.salt)
         self.host[key] = entry
         self.host.move_to_end(key)
-        if self.dir is not None and key not in self.disk:
-            self.disk[key] = self._write(key, entry)
+        if self.dir is not None and key not in self.disk and key not in self._pending:
+            self._pending.add(key)
+            self._writes.put((key, entry))
         if rings is not None:
             self.swa[key] = (time.monotonic(), rings)
             self.swa.move_to_end(key)
@@ -99,6 +114,7 @@ class PrefixCache:
 
     def lookup(self, prompt: np.ndarray, max_length: int, salt: str = "") -> Hit | None:
         """The entry of ``salt`` sharing the longest prefix (at most ``max_length`` tokens) with ``prompt``."""
+        self._collect()
         best_key, best = None, 0
         for h in block_hashes(prompt[:max_length], salt):
             keys = self.blocks.get(h)
@@ -112,6 +128,8 @@ class PrefixCache:
                     best_key, best = key, same
         if best_key is None:
             return None
+        if best_key not in self.host and best_key not in self.disk:  # left host RAM while its write is queued
+            self.flush()
         tier = "host" if best_key in self.host else "disk"
         entry = self.host[best_key] if tier == "host" else self._read(best_key)
         self.host[best_key] = entry
@@ -138,6 +156,35 @@ class PrefixCache:
             if not self.blocks[h]:
                 del self.blocks[h]
 
+    def _write_loop(self) -> None:
+        while True:
+            key, entry = self._writes.get()
+            try:
+                self._written.put((key, self._write(key, entry)))
+            except OSError as err:  # a full or failing disk loses this entry from the disk tier, nothing else
+                print(f"warning: prefix cache: cannot write {self.dir / key}: {err}", flush=True)
+                self._written.put((key, -1))
+            finally:
+                self._writes.task_done()
+
+    def _collect(self) -> None:
+        """Entries the writer finished: now in the disk tier (indexed again if host RAM dropped them)."""
+        while True:
+            try:
+                key, size = self._written.get_nowait()
+            except queue.Empty:
+                break
+            self._pending.discard(key)
+            if size < 0:
+                if key not in self.host and key in self.tokens:
+                    self._unindex(key)
+                continue
+            self.disk[key] = size
+            if key not in self.tokens:
+                meta = json.loads((self.dir / key / "meta.json").read_text())
+                self._index(key, np.asarray(meta["tokens"], np.int32), meta["salt"])
+        self._evict()
+
     def _evict(self) -> None:
         now = time.monotonic()
         for key in [k for k, (stamp, _) in self.swa.items() if now - stamp > self.swa_ttl]:
@@ -146,7 +193,7 @@ class PrefixCache:
             self.swa.popitem(last=False)
         while self.host and sum(e.nbytes for e in self.host.values()) > self.host_bytes:
             key, _ = self.host.popitem(last=False)
-            if key not in self.disk:
+            if key not in self.disk and key not in self._pending:
                 self._unindex(key)
         while self.disk and sum(self.disk.values()) > self.disk_bytes:
             key, _ = self.disk.popitem(last=False)

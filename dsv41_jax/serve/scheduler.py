@@ -140,6 +140,8 @@ class Scheduler:
         self._stop = True
         self.wake.set()
         self.thread.join(timeout=30)
+        if self.cache is not None:
+            self.cache.flush()
 
     # -- start-up
     def warm_up(self) -> None:

@@ -112,6 +112,7 @@ def test_tiers_lru_ttl_and_disk_round_trip(tmp_path, rng):
     cache = PrefixCache(host_bytes=2 * size, disk_dir=tmp_path, disk_bytes=10 * size, swa_bytes=1 << 20, swa_ttl=0.2)
     for x in e:
         cache.put(x, [np.zeros(4, np.uint8)])
+    cache.flush()  # the disk tier is written by a thread of its own
     assert list(cache.host) == [k for k in list(cache.disk)[1:]]  # host keeps the two most recent
     hit = cache.lookup(np.concatenate([e[0].tokens, [7]]), 48)  # evicted from host: read back from disk
     assert hit.tier == "disk" and hit.length == 48 and hit.rings is not None
@@ -119,6 +120,7 @@ def test_tiers_lru_ttl_and_disk_round_trip(tmp_path, rng):
         assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
     time.sleep(0.25)  # the rings' time to live has passed: a whole-entry hit now replays
     assert cache.lookup(np.concatenate([e[1].tokens, [7]]), 48).rings is None
+    cache.flush()
     # a new server finds the entries on disk (no rings: they are never persisted)
     again = PrefixCache(host_bytes=2 * size, disk_dir=tmp_path, disk_bytes=2 * size, swa_bytes=1 << 20, swa_ttl=60)
     assert len(again.disk) == 2 and not again.host  # the disk budget keeps two

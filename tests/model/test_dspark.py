@@ -2,8 +2,8 @@
 
 The golden decode protocol (golden README §2, §6): prefill, then 8 teacher-forced decode steps through the
 engine's packed cache; after each the drafter drafts 5 tokens with the golden's next id as the anchor. The
-prefill runs in chunks of one token so that prefill and decode share one compiled step (chunked prefill is
-exact, tests/engine/test_engine.py).
+prefill runs in chunks of 16 tokens and the decode steps are padded to 16 rows, so that prefill and decode
+share one compiled step (chunked prefill is exact, tests/engine/test_engine.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def decoded(golden_dir):
     ref = dict(np.load(golden_dir / "ref_fp32.npz"))
     ids = np.load(golden_dir / "inputs.npz")["batch2_ids"]
     ours = decode_outputs(model, hasher, drafter, ids, ref["batch2_decode_input_ids"], ref["batch2_decode_next_ids"],
-                          "batch2", prefill_chunk=1)
+                          "batch2", prefill_chunk=16)
     return ours, ref
 
 

@@ -1,6 +1,6 @@
 """Faults in real training runs (``train.loop.train`` over the real jitted step of a 2-layer tiny variant,
-compiled once for the module): a batch whose loss is NaN, in both ``nonfinite`` modes, and a disk that fills
-in the middle of a run. The NaN is genuine: the batch holds a token id outside the vocabulary, so the target's
+compiled once for the module): a batch whose loss is NaN, in both ``nonfinite`` modes, a disk that fills in
+the middle of a run, a SIGTERM (the step in progress saved, then resumed), and the held-out validation loss. The NaN is genuine: the batch holds a token id outside the vocabulary, so the target's
 log-probability is NaN (out-of-bounds reads fill with NaN); the real step then applies nothing.
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import time
 
 import jax
@@ -19,7 +21,7 @@ from fault_testing import fill, small_disk
 from dsv41_jax.data.pipeline import DataState
 from dsv41_jax.train.checkpoint import RunCheckpointer
 from dsv41_jax.train.config import from_dict
-from dsv41_jax.train.guard import TrainingStopped
+from dsv41_jax.train.guard import Preempted, TrainingStopped
 from dsv41_jax.train.loop import setup, train
 
 MODEL = {"preset": "tiny", "dtype": "float32", "n_layers": 2, "mhc": {"hc_sinkhorn_iters": 2},
@@ -174,3 +176,26 @@ def test_validation_loss_of_held_out_documents(base_run, tmp_path):
     want = sum(float(m["ce"]) * float(m["tokens"]) for m in sums) / sum(float(m["tokens"]) for m in sums)
     assert history[-1]["val_loss"] == pytest.approx(want, rel=1e-6)
     assert history[-1]["val_loss"] != history[-2]["val_loss"]  # the parameters moved
+
+
+def sigterm(steps, batch):
+    os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends before it takes the machine
+    return batch
+
+
+def test_sigterm_saves_the_step_in_progress_and_the_run_resumes_from_it(base_run, tmp_path):
+    cfg = _cfg(tmp_path / "run", steps=3, every=0)  # no periodic saves: only the preemption's (and the last)
+    run, steps = _start(base_run, cfg, {2: sigterm})
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Preempted) as err:
+        train(cfg, run=run, log=lambda _: None)
+    assert str(err.value) == ("preempted (SIGTERM): step 2 is saved and training stops. The last good checkpoint is "
+                              f"step 2 at {run.checkpointer.dir / '2'}: the same command resumes from there")
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler lives only while the steps run
+    resumed, _ = _start(base_run, cfg, {})
+    step, state, data = resumed.checkpointer.restore_latest(resumed.state, log=lambda _: None)
+    assert step == 2
+    _same(state, jax.device_get(run.state))  # what step 2 produced
+    resumed.state = state
+    resumed.data.restore(data)
+    assert [m["step"] for m in train(cfg, run=resumed, log=lambda _: None)] == [3]

@@ -1,8 +1,8 @@
 """Faults in real training runs (``train.loop.train`` over the real jitted step of a 2-layer tiny variant,
 compiled once for the module): a batch whose loss is NaN, in both ``nonfinite`` modes, a disk that fills in
-the middle of a run, a SIGTERM (the step in progress saved, then resumed), and the held-out validation loss. The NaN is genuine: the batch holds a token id outside the vocabulary, so the target's
-log-probability is NaN (out-of-bounds reads fill with NaN); the real step then applies nothing.
-"""
+the middle of a run, a SIGTERM (the step in progress saved, then resumed), and the held-out validation loss.
+The NaN is genuine: the batch holds a token id outside the vocabulary, so the target's log-probability is NaN
+(out-of-bounds reads fill with NaN); the real step then applies nothing."""
 
 from __future__ import annotations
 

@@ -158,6 +158,8 @@ def full_forward(model: Transformer, ids: np.ndarray, rows: np.ndarray, *, is_im
     graphdef, state = nnx.split(model)
     if mesh is not None:
         state = jax.device_put(state, named_shardings(mesh, state_partition_specs(state, mesh=mesh)))
+        if image_embeds is not None:  # the tower ran on one device: the embeddings go to every device
+            image_embeds = jax.device_put(image_embeds, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
     def forward(st, t, r, im, emb):
         with expert_parallel(mesh):

@@ -44,23 +44,29 @@ def test_schedule_layers_stand_alone():
 
 @pytest.fixture(scope="module")
 def both():
-    """Loss, gradients, routing and top-k of one fp32 forward + backward of the tiny model (whose layers
-    7..10 are two (Reuse, Reindex) groups), scanned and unrolled, with the indexer loss statistics."""
+    """Loss, gradients, routing and indexer KL of one fp32 forward + backward of the tiny model without Engram
+    and fake quantisation
+    (so layers 0–1 are one scan, 2–5 a (Full, Reuse) pair whose first group creates the main KV and top-k the
+    carry then holds, so it runs on its own before the scan of the rest, and 7–10 two (Reuse, Reindex)
+    groups), scanned and unrolled, over two packed documents per row."""
     cfg = C.tiny().replace(dtype="float32")
-    assert any(r > 1 for _, _, r in segments(cfg, Schedule()))
+    # fake quantisation off: the two programs' ~1e-7 reassociation differences would otherwise move a few
+    # FP4 / FP8 codes across their rounding boundaries (golden README §7) and the KL of the queries after them
+    quant = C.CacheQuant(main_kv=False, index=False, swa=False)
+    cfg = cfg.replace(engram=dataclasses.replace(cfg.engram, layer_ids=(), num_embeddings=()),
+                      attention=dataclasses.replace(cfg.attention, cache_quant=quant))
+    assert segments(cfg, Schedule()) == [(0, 1, 2), (2, 2, 2), (6, 1, 1), (7, 2, 2), (11, 1, 1)]
     rng = np.random.default_rng(0)
     b, s = 2, 48
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, s)), jnp.int32)
-    rows = jnp.asarray(np.stack([rng.integers(0, n, (b, s, cfg.engram.n_columns))
-                                 for n in cfg.engram.num_embeddings], 2), jnp.int32)
-    seg = jnp.asarray(np.repeat([[1] * 30 + [2] * 18], b, 0), jnp.int32)  # two documents per row
+    seg = jnp.asarray(np.repeat([[1] * 30 + [2] * 18], b, 0), jnp.int32)
     out = {}
     for scan in (True, False):
         c = dataclasses.replace(cfg, scan_layers=scan)
         graphdef, state = nnx.split(Transformer(c, rngs=nnx.Rngs(0)))
 
         def loss(state, graphdef=graphdef):
-            logits, aux = nnx.merge(graphdef, state)(tokens, rows, segment_ids=seg, return_aux="routing",
+            logits, aux = nnx.merge(graphdef, state)(tokens, segment_ids=seg, return_aux="routing",
                                                      indexer_target="dense")
             value = jnp.mean(jax.nn.log_softmax(logits)[..., 3]) + sum(jnp.mean(r.scores ** 2) for r in aux.routing)
             value = value + sum(jnp.mean(st.kl) for st in aux.indexer)

@@ -40,7 +40,7 @@ def test_sample_hands_the_mesh_to_the_generator(golden_dir, monkeypatch):
     seen = []
 
     class Recorder:
-        def __init__(self, *args, mesh=None):
+        def __init__(self, *args, mesh=None, **kwargs):  # (the drafter, when one is given)
             seen.append(mesh)
 
         def generate(self, batch, **kwargs):

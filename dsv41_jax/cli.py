@@ -109,7 +109,8 @@ def _cmd_export(args) -> int:
     """Orbax checkpoint or training run -> the release's Hugging Face format (the inverse of convert)."""
     from dsv41_jax.checkpoint.export import export
 
-    export(args.out, ckpt=args.ckpt, run=args.run, base=args.base, chunk_bytes=int(args.chunk_mb * (1 << 20)),
+    export(args.out, ckpt=args.ckpt, run=args.run, base=args.base, weights=args.weights,
+           chunk_bytes=int(args.chunk_mb * (1 << 20)),
            shard_bytes=int(args.shard_gb * (1 << 30)), progress=not args.quiet)
     return 0
 
@@ -280,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="new output directory")
     p.add_argument("--base", help="with --run: a `dsv41 convert` output for the DSpark / vision arrays and the "
                    "source scales (default: the run's posttrain.init_from when it is one)")
+    p.add_argument("--weights", choices=["native", "bf16"], default="native",
+                   help="native: the release's FP8 / FP4 tensors with E8M0 scales (default); bf16: every weight "
+                   "dequantised to bfloat16, no scale tensors and no quantization_config (dsv41 convert reads both)")
     p.add_argument("--chunk-mb", type=A.above(0), default=256, help="float values read per band (memory bound)")
     p.add_argument("--shard-gb", type=A.above(0), default=5, help="shard size when the source has no index to follow")
     p.add_argument("--quiet", action="store_true", help="no progress line")

@@ -31,6 +31,8 @@ from typing import TextIO
 
 from dsv41_jax import config as C
 from dsv41_jax.checkpoint import store
+from dsv41_jax.checkpoint.hf import read_hf_config
+from dsv41_jax.checkpoint.inventory import is_quantised
 from dsv41_jax.checkpoint.plan import MODES, ConvertError, Output, bands, chunk_shape, plan_outputs, produce
 from dsv41_jax.checkpoint.progress import Progress, human_bytes, human_seconds
 from dsv41_jax.checkpoint.safetensors import SafetensorsError, ShardedCheckpoint
@@ -238,9 +240,10 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, *, weights: str =
     if not (hf_dir / "config.json").is_file():
         raise ConvertError(f"--hf-dir {hf_dir}: no config.json (expected the release's directory layout)")
     cfg = C.from_hf(hf_dir)
+    quantised = is_quantised(read_hf_config(hf_dir))  # else a bf16 export (plan.py)
     try:
         ckpt = ShardedCheckpoint(hf_dir)
-        outputs = plan_outputs(ckpt, cfg, weights)
+        outputs = plan_outputs(ckpt, cfg, weights, quantised)
         fingerprint = _fingerprint(ckpt)
     except SafetensorsError as e:
         raise ConvertError(str(e)) from e
@@ -262,10 +265,12 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, *, weights: str =
                 "weight_format": "native" if weights == "native" else "float", "params": PARAMS,
                 "n_arrays": len(outputs), "array_bytes": out_bytes, "mesh": settings["mesh"],
                 "source": {"dir": str(hf_dir.resolve()), "fingerprint": fingerprint, "tensors": len(ckpt),
-                           "bytes": total}}
+                           "bytes": total, "storage": "release" if quantised else "bf16"}}
     _finish(partial, out, hf_dir, outputs, manifest)
     seconds = time.monotonic() - t0
+    what = weights if quantised else f"{weights} from bf16 weights" + (", encoded by the release's rules"
+                                                                        if weights == "native" else "")
     prog.finish(f"converted {human_bytes(total)} in {human_seconds(seconds)}: {len(outputs)} arrays "
-                f"({human_bytes(out_bytes)}, {weights}) in {out}")
+                f"({human_bytes(out_bytes)}, {what}) in {out}")
     return ConvertResult(out, weights, len(outputs), len(outputs) - len(done), len(done), total, out_bytes,
                          seconds)

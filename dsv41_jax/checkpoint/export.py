@@ -12,6 +12,11 @@ and index, ``config.json``, ``inference/config.json`` and tokenizer files.
   ``base``: a converted checkpoint, by default the run's ``posttrain.init_from`` when it is one.
 - Memory: a converted checkpoint is read band by band (at most ``chunk_bytes`` of float values at a time) and
   each shard is written band by band; a run's parameters are restored whole, as ``dsv41 sample`` does.
+- ``weights="bf16"`` writes Hugging Face's dequantised form instead (``inventory.dequantised``, as DeepSeek's
+  ``fp8_cast_bf16.py`` makes of an FP8 release): each FP8 / FP4 weight one BF16 tensor of its logical shape,
+  no scale tensors, ``config.json`` without ``quantization_config`` and ``inference/config.json`` with
+  ``"dtype": "bf16"`` and no ``expert_dtype``. Stored codes dequantise exactly (an E4M3 / E2M1 value times a
+  power of two fits bf16), float weights are rounded to bf16. ``dsv41 convert`` reads it back.
 The shards are written into ``OUT.partial/``, which is renamed to ``OUT`` when everything is there.
 """
 
@@ -30,12 +35,15 @@ import numpy as np
 
 from dsv41_jax import config as C
 from dsv41_jax.checkpoint import encode
-from dsv41_jax.checkpoint.inventory import TensorSpec, expected_inventory
+from dsv41_jax.checkpoint.hf import _apply_block_scale, _decode_fp4, _scale_f32
+from dsv41_jax.checkpoint.inventory import TensorSpec, dequantised, expected_inventory
 from dsv41_jax.checkpoint.plan import ConvertError, _pairs, validate_source
 from dsv41_jax.checkpoint.progress import Progress, human_bytes, human_seconds
 from dsv41_jax.checkpoint.safetensors import DTYPES, ShardedCheckpoint, write_streamed
 
-__all__ = ["ExportResult", "export"]
+__all__ = ["WEIGHTS", "ExportResult", "export"]
+
+WEIGHTS = ("native", "bf16")
 
 INDEX = "model.safetensors.index.json"
 _FILES = ("tokenizer.json", "tokenizer_config.json", "inference/config.json")
@@ -112,7 +120,8 @@ class _Group:
     weights: tuple[TensorSpec, ...]
     scales: tuple[TensorSpec, ...]
     stacked: bool
-    kind: str  # "cast", "raw" (stored bytes as they are) or "fp8" / "fp4" (encode float values)
+    kind: str  # "cast", "raw" (stored bytes as they are), "fp8" / "fp4" (encode float values) or "dequant"
+    # (stored codes and scales -> float values, for a bf16 export)
     hint: bool  # a source scale is known (fp8 / fp4)
 
     @property
@@ -121,15 +130,17 @@ class _Group:
 
     @property
     def block(self) -> tuple[int, int]:
-        return (1, 32) if self.kind == "fp4" or ".engram.embed." in self.name else (32, 32)
+        fp4 = self.kind == "fp4" or ".ffn.experts." in self.name  # routed experts (a bf16 export's too)
+        return (1, 32) if fp4 or ".engram.embed." in self.name else (32, 32)
 
 
 def _group(name: str, ws, ss, stacked: bool, specs: Mapping[str, tuple]) -> _Group:
     if name not in specs:
         raise ConvertError(f"export: the checkpoint has no array {name!r} (and no --base supplies it)")
-    if not ss:
-        return _Group(name, tuple(ws), (), stacked, "cast", False)
     sname = name[: -len("weight")] + "scale"
+    if not ss:  # a plain float tensor, or a bf16 export's quantised weight: stored codes are dequantised
+        codes = specs[name][1].itemsize == 1 and sname in specs
+        return _Group(name, tuple(ws), (), stacked, "dequant" if codes else "cast", False)
     if specs[name][1].itemsize == 1:
         if sname not in specs:
             raise ConvertError(f"export: {name!r} is stored as {specs[name][1]} but {sname!r} is missing")
@@ -146,6 +157,18 @@ def _encoded(g: _Group, src, expert: int | None, v0: int, v1: int) -> tuple[np.n
     if g.kind == "fp4":
         return encode.fp4_rows(values, hint)
     return encode.fp8_blocks(values, g.block, hint)
+
+
+def _dequantised(g: _Group, src, expert: int | None, v0: int, v1: int) -> np.ndarray:
+    """Value rows [v0, v1) (whole scale blocks, or the end) of stored codes times their E8M0 scales, in f32
+    (spec model §2.2)."""
+    codes = src.rows(g.name, expert, v0, v1)
+    values = _decode_fp4(codes) if codes.dtype == _U8 else codes.astype(np.float32)
+    br = g.block[0]
+    scales = src.rows(g.scale_name, expert, v0 // br, -(-v1 // br)).view(np.dtype("float8_e8m0fnu"))
+    with np.errstate(over="ignore"):
+        _apply_block_scale(values, _scale_f32(scales), g.block)
+    return values
 
 
 def _bands(g: _Group, src, tensor: TensorSpec, expert: int | None, is_scale: bool, budget: int
@@ -167,6 +190,9 @@ def _bands(g: _Group, src, tensor: TensorSpec, expert: int | None, is_scale: boo
     step = max(br, budget // per_value_row // br * br)  # value rows per band: whole scale blocks
     for v0 in range(0, value_rows, step):
         v1 = min(value_rows, v0 + step)
+        if g.kind == "dequant":
+            yield encode.cast(_dequantised(g, src, expert, v0, v1), dtype)
+            continue
         codes, scales = _encoded(g, src, expert, v0, v1)
         yield (scales.view(dtype) if is_scale else codes.view(dtype))
 
@@ -174,8 +200,7 @@ def _bands(g: _Group, src, tensor: TensorSpec, expert: int | None, is_scale: boo
 # ----------------------------------------------------------------------------- the directory
 
 
-def _shard_map(cfg: C.ModelConfig, sources: list[Path], inventory: list[TensorSpec], shard_bytes: int
-               ) -> dict[str, str]:
+def _shard_map(sources: list[Path], inventory: list[TensorSpec], shard_bytes: int) -> dict[str, str]:
     """{tensor: shard file}: the source's own index when it lists exactly these tensors, else by size with
     the Engram tables alone in the last shards, as the release lays them out (spec model §2.1)."""
     names = {t.name for t in inventory}
@@ -184,9 +209,9 @@ def _shard_map(cfg: C.ModelConfig, sources: list[Path], inventory: list[TensorSp
             weight_map = json.loads((d / INDEX).read_text()).get("weight_map", {})
             if set(weight_map) == names:
                 return dict(weight_map)
-    from dsv41_jax.checkpoint.fake_hf import _assign_shards, _groups
+    from dsv41_jax.checkpoint.fake_hf import _assign_shards
 
-    groups = _groups(cfg)
+    groups = sorted(_pairs(inventory), key=lambda g: g[0].endswith("engram.embed.weight"))  # stable: Engram last
     shards = _assign_shards(groups, shard_bytes)
     out = {}
     for k, members in enumerate(shards):
@@ -196,12 +221,33 @@ def _shard_map(cfg: C.ModelConfig, sources: list[Path], inventory: list[TensorSp
     return out
 
 
-def _copy_files(out: Path, cfg: C.ModelConfig, sources: list[Path], config_from: Path | None) -> list[str]:
-    """config.json (the source's bytes, or written from the config), tokenizer and inference config files."""
-    if config_from is not None and (config_from / "config.json").is_file():
-        shutil.copyfile(config_from / "config.json", out / "config.json")
+def _storage_keys(name: str, text: str, cfg: C.ModelConfig, quantised: bool) -> str:
+    """``config.json`` / ``inference/config.json`` saying how the weights are stored, unchanged when it does.
+    FP8: the release's ``quantization_config`` (spec model §1.1), ``"dtype": "fp8"`` and ``"expert_dtype":
+    "fp4"`` (§1.2); bf16: no ``quantization_config``, ``"dtype": "bf16"``, no ``expert_dtype``."""
+    conf = json.loads(text)
+    if name == "config.json":
+        keys, before, indent = ("quantization_config",), "text_config", 2
+        want = {"quantization_config": C.to_hf(cfg)["quantization_config"]} if quantised else {}
     else:
-        (out / "config.json").write_text(C.to_hf_json(cfg))
+        keys, before, indent = ("dtype", "expert_dtype"), "compress_rope_theta", 4
+        want = {"dtype": "fp8", "expert_dtype": "fp4"} if quantised else {"dtype": "bf16"}
+    if {k: conf[k] for k in keys if k in conf} == want:
+        return text
+    rest = [(k, v) for k, v in conf.items() if k not in keys]
+    at = next((i for i, (k, _) in enumerate(rest) if k == before), len(rest))  # where the release has them
+    return json.dumps(dict(rest[:at] + list(want.items()) + rest[at:]), indent=indent) + "\n"
+
+
+def _copy_files(out: Path, cfg: C.ModelConfig, sources: list[Path], config_from: Path | None,
+                quantised: bool) -> list[str]:
+    """config.json (the source's bytes, or written from the config), tokenizer and inference config files;
+    the two config files say how the weights are stored."""
+    if config_from is not None and (config_from / "config.json").is_file():
+        text = (config_from / "config.json").read_text()
+    else:
+        text = C.to_hf_json(cfg)
+    (out / "config.json").write_text(_storage_keys("config.json", text, cfg, quantised))
     missing = []
     for name in _FILES:
         src = next((d / name for d in sources if (d / name).is_file()), None)
@@ -209,7 +255,10 @@ def _copy_files(out: Path, cfg: C.ModelConfig, sources: list[Path], config_from:
             missing.append(name)
             continue
         (out / name).parent.mkdir(exist_ok=True)
-        shutil.copyfile(src, out / name)
+        if name == "inference/config.json":
+            (out / name).write_text(_storage_keys(name, src.read_text(), cfg, quantised))
+        else:
+            shutil.copyfile(src, out / name)
     return missing
 
 
@@ -271,17 +320,21 @@ def _tensors(groups: list[_Group]) -> dict[str, tuple[_Group, int | None, bool, 
 
 
 def export(out: str | os.PathLike, *, ckpt: str | os.PathLike | None = None, run: str | os.PathLike | None = None,
-           base: str | os.PathLike | None = None, chunk_bytes: int = 256 << 20, shard_bytes: int = 5 << 30,
-           progress: bool = True, stream=None, log=print) -> ExportResult:
+           base: str | os.PathLike | None = None, weights: str = "native", chunk_bytes: int = 256 << 20,
+           shard_bytes: int = 5 << 30, progress: bool = True, stream=None, log=print) -> ExportResult:
     """Write the checkpoint ``ckpt`` (a ``dsv41 convert`` output) or the newest step of the training ``run``
-    into ``out`` in the release's Hugging Face format (see the module docstring)."""
+    into ``out`` in the release's Hugging Face format, its FP8 / FP4 storage or (``weights="bf16"``) the
+    dequantised bf16 form (see the module docstring)."""
     t0 = time.monotonic()
+    if weights not in WEIGHTS:
+        raise ConvertError(f"export --weights {weights!r}: choose one of {', '.join(WEIGHTS)}")
     out = Path(out)
     _check_out(out)
     src, cfg, sources, config_from = _sources(ckpt, run, base, log)
-    inventory = expected_inventory(cfg)
+    quantised = weights == "native"
+    inventory = expected_inventory(cfg) if quantised else dequantised(expected_inventory(cfg))
     where = _tensors([_group(n, ws, ss, st, src.specs) for n, ws, ss, st in _pairs(inventory)])
-    shard_of = _shard_map(cfg, sources, inventory, shard_bytes)
+    shard_of = _shard_map(sources, inventory, shard_bytes)
     partial = out.parent / f"{out.name}.partial"
     if partial.exists():
         shutil.rmtree(partial)  # an interrupted export: nothing in it is trusted
@@ -301,14 +354,14 @@ def export(out: str | os.PathLike, *, ckpt: str | os.PathLike | None = None, run
         write_streamed(partial / shard, specs, produce, metadata={"format": "pt"})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(shard_of.items()))}
     (partial / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    missing = _copy_files(partial, cfg, sources, config_from)
+    missing = _copy_files(partial, cfg, sources, config_from, quantised)
     with ShardedCheckpoint(partial) as check:
-        validate_source(check, cfg)  # the result reads as a release checkpoint of its config.json
+        validate_source(check, cfg, quantised)  # the result reads as a checkpoint of its config.json
     if out.exists():
         out.rmdir()  # empty, checked before starting
     os.replace(partial, out)
     seconds = time.monotonic() - t0
     note = f"; not in the source, so not written: {', '.join(missing)}" if missing else ""
-    prog.finish(f"exported {len(inventory)} tensors ({human_bytes(total)}) in {len(shards)} shards to {out} in "
-                f"{human_seconds(seconds)}{note}")
+    prog.finish(f"exported {len(inventory)} {weights} tensors ({human_bytes(total)}) in {len(shards)} shards to "
+                f"{out} in {human_seconds(seconds)}{note}")
     return ExportResult(out, len(inventory), len(shards), total, seconds)

@@ -15,7 +15,8 @@ from typing import NamedTuple
 from dsv41_jax.checkpoint.safetensors import DTYPES
 from dsv41_jax.config import ModelConfig
 
-__all__ = ["TensorSpec", "expected_inventory", "inventory_bytes", "structure_sha256"]
+__all__ = ["TensorSpec", "dequantised", "expected_inventory", "inventory_bytes", "is_quantised",
+           "structure_sha256"]
 
 FP8_BLOCK = 32  # spec model §2.2: 32x32 weight blocks, per-row 32-column groups for FP4 and Engram
 
@@ -160,6 +161,28 @@ def expected_inventory(cfg: ModelConfig) -> list[TensorSpec]:
     _dspark(b, cfg)
     _vision(b, cfg)
     return b.out
+
+
+def dequantised(inventory: list[TensorSpec]) -> list[TensorSpec]:
+    """The inventory of a bf16 export: Hugging Face's dequantised form of an FP8 checkpoint (the form of
+    DeepSeek's ``fp8_cast_bf16.py``), every quantised ``X.weight`` one BF16 tensor of its logical shape
+    (packed FP4 experts [out, in/2] -> [out, in]), no ``X.scale``, everything else as stored (spec model §2.2)."""
+    out = []
+    for t in inventory:
+        if t.dtype == "F8_E8M0":
+            continue  # scales exist only beside quantised weights
+        if t.dtype == "F8_E4M3":
+            t = TensorSpec(t.name, "BF16", t.shape)
+        elif t.dtype == "I8":
+            t = TensorSpec(t.name, "BF16", (*t.shape[:-1], 2 * t.shape[-1]))
+        out.append(t)
+    return out
+
+
+def is_quantised(hf_config: dict) -> bool:
+    """Whether an HF ``config.json`` describes the release's FP8 / FP4 storage: its ``quantization_config``
+    says so (spec model §1.1); a bf16 export has none, as Hugging Face's dequantised checkpoints do not."""
+    return "quantization_config" in hf_config
 
 
 def inventory_bytes(inventory: list[TensorSpec]) -> int:

@@ -9,6 +9,12 @@ bf16 at load (spec model §2.5, §2.6 step 6) and so do we: the model applies it
 source scale is kept beside it (``attn.wo_a.scale``, unused by the model): ``dsv41 export`` re-encodes the
 bf16 values with it, so the FP8 bytes come back as they were (a dequantised tile alone does not say which
 of two power-of-two scales it was stored with).
+
+A bf16 export (``dsv41 export --weights bf16``: no ``quantization_config``, every quantised weight one BF16
+tensor, no scales; ``inventory.dequantised``) converts too: ``bf16`` / ``fp32`` read its values as they are,
+``native`` encodes them by the release's rules (``encode``). A dequantised release block encodes back onto the
+same values (an E4M3 or E2M1 grid times a smaller power of two is still on the grid), so release -> export bf16
+-> convert native holds the values the release holds, though a scale byte may be the rule's, not the source's.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import numpy as np
 
 from dsv41_jax import config as C
 from dsv41_jax.checkpoint import hf
-from dsv41_jax.checkpoint.inventory import TensorSpec, expected_inventory
+from dsv41_jax.checkpoint.inventory import TensorSpec, dequantised, expected_inventory
 from dsv41_jax.checkpoint.safetensors import SafetensorsError, ShardedCheckpoint
 
 __all__ = ["MODES", "ConvertError", "Output", "bands", "chunk_shape", "config_outputs", "plan_outputs", "produce",
@@ -46,7 +52,8 @@ class Output:
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    decode: str  # "raw" (copy / exact cast), "fp8" (E4M3 x E8M0 block) or "fp4" (packed E2M1 x E8M0)
+    decode: str  # "raw" (copy / exact cast), "fp8" (E4M3 x E8M0 block), "fp4" (packed E2M1 x E8M0), or
+    # "encode-fp8" / "encode-fp4": the codes (or, for a ``.scale`` output, the scales) of float source values
     sources: tuple[str, ...]  # source (index) names; one per expert when stacked
     scales: tuple[str, ...] = ()  # their scale tensors, for fp8 / fp4
     block: tuple[int, int] = (1, 1)  # scale block (rows, columns)
@@ -81,8 +88,9 @@ def _listing(title: str, items: list[str], limit: int = 20) -> list[str]:
     return [f"{title} ({len(items)}): " + ", ".join(items[:limit]) + more]
 
 
-def validate_source(ckpt: ShardedCheckpoint, cfg: C.ModelConfig) -> dict[str, str]:
-    """Check every tensor's name, dtype and shape against the config's inventory (headers only).
+def validate_source(ckpt: ShardedCheckpoint, cfg: C.ModelConfig, quantised: bool = True) -> dict[str, str]:
+    """Check every tensor's name, dtype and shape against the config's inventory (headers only); that of a
+    bf16 export when not ``quantised``.
 
     Returns {canonical name: index name}. Raises ConvertError listing every missing, unexpected and
     mismatched tensor by name, so a partial download or a wrong config.json is found before any data moves.
@@ -92,7 +100,8 @@ def validate_source(ckpt: ShardedCheckpoint, cfg: C.ModelConfig) -> dict[str, st
     except SafetensorsError as e:
         raise ConvertError(str(e)) from e
     found = _found(ckpt)
-    expected = {t.name: t for t in expected_inventory(cfg)}
+    inventory = expected_inventory(cfg)
+    expected = {t.name: t for t in (inventory if quantised else dequantised(inventory))}
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(found[c] for c in set(found) - set(expected))
     wrong = []
@@ -105,7 +114,9 @@ def validate_source(ckpt: ShardedCheckpoint, cfg: C.ModelConfig) -> dict[str, st
         raise ConvertError(
             f"{ckpt.dir}: the checkpoint does not match its config.json ({len(missing) + len(unexpected) + len(wrong)}"
             " tensor(s)):\n  " + "\n  ".join(lines) + "\nA partial download shows as missing tensors; a config.json "
-            "of another model size as dtype/shape mismatches; a renamed tensor as missing + unexpected.")
+            "of another model size as dtype/shape mismatches; a renamed tensor as missing + unexpected; BF16 "
+            "weights without scales under a config.json with a quantization_config (or FP8 ones under one without) "
+            "as dtype/shape mismatches with missing or unexpected scales.")
     total = ckpt.metadata.get("total_size")
     have = sum(ckpt.info(n).nbytes for n in ckpt.keys())
     if total is not None and int(total) != have:
@@ -140,14 +151,33 @@ def _float_dtype(stored: str, mode: str) -> np.dtype:
     return _BF16
 
 
+def _from_dequantised(name: str, ws: list[TensorSpec], ss: list[TensorSpec], stacked: bool, mode: str,
+                      srcs: tuple[str, ...]) -> list[Output]:
+    """A quantised pair's outputs read from a bf16 export's one BF16 tensor per weight (see the module docstring)."""
+    w, lead = ws[0], ((len(ws),) if stacked else ())
+    fp4 = w.dtype == "I8"
+    shape = (w.shape[0], 2 * w.shape[1]) if fp4 else w.shape
+    block = (1, 32) if fp4 or ".engram.embed." in name else (32, 32)  # spec model §2.2
+    bytes_v = 2 * math.prod(shape) * len(ws)
+    if mode != "native":
+        return [Output(name, lead + shape, _float_dtype("BF16", mode), "raw", srcs, src_bytes=bytes_v, stacked=stacked)]
+    kind = "encode-fp4" if fp4 else "encode-fp8"
+    scale = Output(name[: -len("weight")] + "scale", lead + ss[0].shape, _U8, kind, srcs, block=block, stacked=stacked)
+    if name.endswith("attn.wo_a.weight"):  # bf16 in every mode (spec model §2.5), the rule's scale beside it
+        return [Output(name, lead + shape, _BF16, "raw", srcs, src_bytes=bytes_v), scale]
+    return [Output(name, lead + w.shape, _U8 if fp4 else _F8, kind, srcs, (), block, bytes_v, stacked), scale]
+
+
 def _outputs_for(name: str, ws: list[TensorSpec], ss: list[TensorSpec], stacked: bool, mode: str,
-                 src: Mapping[str, str]) -> list[Output]:
+                 src: Mapping[str, str], quantised: bool = True) -> list[Output]:
     w = ws[0]
     lead = (len(ws),) if stacked else ()
     srcs = tuple(src[t.name] for t in ws)
     bytes_w = sum(t.nbytes for t in ws)
     if not ss:
         return [Output(name, lead + w.shape, _float_dtype(w.dtype, mode), "raw", srcs, src_bytes=bytes_w)]
+    if not quantised:
+        return _from_dequantised(name, ws, ss, stacked, mode, srcs)
     scales = tuple(src[t.name] for t in ss)
     bytes_s = sum(t.nbytes for t in ss)
     fp4 = w.dtype == "I8"
@@ -166,21 +196,24 @@ def _outputs_for(name: str, ws: list[TensorSpec], ss: list[TensorSpec], stacked:
     return [out, Output(scale_name, lead + ss[0].shape, _U8, "raw", scales, stacked=stacked)]
 
 
-def config_outputs(cfg: C.ModelConfig, mode: str, src: Mapping[str, str] | None = None) -> list[Output]:
+def config_outputs(cfg: C.ModelConfig, mode: str, src: Mapping[str, str] | None = None, quantised: bool = True
+                   ) -> list[Output]:
     """The output arrays of ``cfg``'s checkpoint in weights ``mode`` (from the config alone; ``src`` maps
-    canonical to index names when the source spells them differently)."""
+    canonical to index names when the source spells them differently; not ``quantised``: from a bf16 export)."""
     if mode not in MODES:
         raise ConvertError(f"--weights {mode!r}: choose one of {', '.join(MODES)}")
     inventory = expected_inventory(cfg)
     src = src or {t.name: t.name for t in inventory}
-    return [o for name, ws, ss, stacked in _pairs(inventory) for o in _outputs_for(name, ws, ss, stacked, mode, src)]
+    return [o for name, ws, ss, stacked in _pairs(inventory)
+            for o in _outputs_for(name, ws, ss, stacked, mode, src, quantised)]
 
 
-def plan_outputs(ckpt: ShardedCheckpoint, cfg: C.ModelConfig, mode: str) -> list[Output]:
-    """Every output array of a conversion, after validating the source against ``cfg``."""
+def plan_outputs(ckpt: ShardedCheckpoint, cfg: C.ModelConfig, mode: str, quantised: bool = True) -> list[Output]:
+    """Every output array of a conversion, after validating the source against ``cfg`` (and, when not
+    ``quantised``, against the bf16 export's inventory)."""
     if mode not in MODES:
         raise ConvertError(f"--weights {mode!r}: choose one of {', '.join(MODES)}")
-    outs = config_outputs(cfg, mode, validate_source(ckpt, cfg))
+    outs = config_outputs(cfg, mode, validate_source(ckpt, cfg, quantised), quantised)
     return sorted(outs, key=lambda o: (ckpt.shard_of(o.sources[0]), o.name))  # shard by shard: file locality
 
 
@@ -208,7 +241,22 @@ def _dequant(out: Output, ckpt: ShardedCheckpoint, i: int, r0: int, r1: int) -> 
     return vals
 
 
+def _encoded(out: Output, ckpt: ShardedCheckpoint, i: int, r0: int, r1: int) -> np.ndarray:
+    """Rows [r0, r1) of the codes, or of the scales for a ``.scale`` output, that encode float source ``i`` by
+    the release's rules; whole scale blocks are read and encoded, so a band may start inside one."""
+    from dsv41_jax.checkpoint import encode
+
+    br, n = out.block[0], ckpt.info(out.sources[i]).shape[0]
+    is_scale = out.name.endswith(".scale")
+    v0, v1 = (r0 * br, min(r1 * br, n)) if is_scale else (r0 // br * br, min(-(-r1 // br) * br, n))
+    values = ckpt.read_rows(out.sources[i], v0, v1).astype(np.float32)
+    codes, scales = encode.fp4_rows(values) if out.decode == "encode-fp4" else encode.fp8_blocks(values, out.block)
+    return scales if is_scale else codes.view(out.dtype)[r0 - v0: r1 - v0]
+
+
 def _rows(out: Output, ckpt: ShardedCheckpoint, i: int, r0: int, r1: int) -> np.ndarray:
+    if out.decode.startswith("encode"):
+        return _encoded(out, ckpt, i, r0, r1)
     if out.decode == "raw":
         a = ckpt.read_rows(out.sources[i], r0, r1)
         return a.view(out.dtype) if a.dtype.itemsize == 1 == out.dtype.itemsize else a.astype(out.dtype)

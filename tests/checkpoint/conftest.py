@@ -34,3 +34,23 @@ def tiny_converted(tmp_path_factory, tiny_hf):
     root = tmp_path_factory.mktemp("converted")
     return {mode: convert(tiny_hf, root / mode, weights=mode, chunk_bytes=64 << 10, progress=False).out
             for mode in ("fp32", "bf16", "native")}
+
+
+@pytest.fixture(scope="session")
+def golden_native(tmp_path_factory, golden_dir):
+    """The golden checkpoint through `dsv41 convert` with its default weights mode (native)."""
+    from dsv41_jax.cli import main
+
+    out = tmp_path_factory.mktemp("golden_native") / "ckpt"
+    assert main(["convert", "--hf-dir", str(golden_dir / "tiny_hf"), "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def golden_bf16(tmp_path_factory, golden_native):
+    """That conversion through `dsv41 export --weights bf16`: the golden in Hugging Face's dequantised form."""
+    from dsv41_jax.cli import main
+
+    out = tmp_path_factory.mktemp("golden_bf16") / "hf"
+    assert main(["export", "--ckpt", str(golden_native), "--out", str(out), "--weights", "bf16", "--quiet"]) == 0
+    return out

@@ -4,6 +4,7 @@ fine-tuned run exports, re-converts and scores to the logits of its own weights 
 from __future__ import annotations
 
 import filecmp
+import json
 
 import ml_dtypes
 import numpy as np
@@ -15,6 +16,7 @@ from dsv41_jax.checkpoint import encode, hf, store
 from dsv41_jax.checkpoint.convert import convert
 from dsv41_jax.checkpoint.export import export
 from dsv41_jax.checkpoint.inventory import expected_inventory
+from dsv41_jax.checkpoint.safetensors import ShardedCheckpoint
 from dsv41_jax.cli import main
 
 
@@ -27,17 +29,50 @@ def _arrays(ckpt_dir) -> dict[str, np.ndarray]:
     return {n: np.asarray(a) for n, a in store.restore_arrays(params, targets).items()}
 
 
-def test_release_convert_native_export_is_the_release_byte_for_byte(golden_dir, tmp_path, capsys):
+def _files(d) -> list:
+    return sorted(p.relative_to(d) for p in d.rglob("*") if p.is_file())
+
+
+def test_release_convert_native_export_is_the_release_byte_for_byte(golden_dir, golden_native, tmp_path, capsys):
     # every file: shards (tensors, their order and header), index, config.json, inference/config.json, tokenizer
-    hf = golden_dir / "tiny_hf"
-    assert main(["convert", "--hf-dir", str(hf), "--out", str(tmp_path / "ckpt"), "--quiet"]) == 0  # native default
-    assert main(["export", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
-    assert "exported 1167 tensors (3.2 MB) in 2 shards" in capsys.readouterr().err
-    files = sorted(p.relative_to(hf) for p in hf.rglob("*") if p.is_file())
-    assert len(files) == 7 and sorted(p.relative_to(tmp_path / "hf") for p in (tmp_path / "hf").rglob("*")
-                                      if p.is_file()) == files
+    hf = golden_dir / "tiny_hf"  # golden_native: `dsv41 convert` with its default, --weights native
+    assert main(["export", "--ckpt", str(golden_native), "--out", str(tmp_path / "hf")]) == 0
+    assert "exported 1167 native tensors (3.2 MB) in 2 shards" in capsys.readouterr().err
+    files = _files(hf)
+    assert len(files) == 7 and _files(tmp_path / "hf") == files
     for f in files:
         assert filecmp.cmp(hf / f, tmp_path / "hf" / f, shallow=False), f
+
+
+def test_bf16_export_holds_the_release_values_and_converts_back(golden_dir, golden_bf16, tmp_path):
+    # export --weights bf16: every FP8 / FP4 weight one BF16 tensor of its logical shape, no scales, the config
+    # files saying so; its values are the release's dequantised ones exactly (an E4M3 / E2M1 code times a power
+    # of two fits bf16). Converted back (native: encoded by the release's rules) and exported natively again, the
+    # release's config files come back byte for byte and every tensor holds the release's values (a scale byte
+    # may be the rule's: a block whose largest code is 224 at scale s is 448 at s/2).
+    release = golden_dir / "tiny_hf"
+    bf16 = ShardedCheckpoint(golden_bf16)
+    assert {bf16.info(n).dtype for n in bf16.keys()} == {"BF16", "F32"} and len(bf16.keys()) == 713
+    assert bf16.info("layers.0.ffn.experts.0.w1.weight").shape == (64, 64)  # FP4 [64, 32] unpacked
+    assert not any(n.endswith(".scale") for n in bf16.keys())
+    assert "quantization_config" not in json.loads((golden_bf16 / "config.json").read_text())
+    inference = json.loads((golden_bf16 / "inference/config.json").read_text())
+    assert inference["dtype"] == "bf16" and "expert_dtype" not in inference
+    want = hf.load_hf_params(release)
+    got = hf.load_hf_params(golden_bf16)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name].astype(np.float32), value.astype(np.float32), err_msg=name)
+    assert main(["convert", "--hf-dir", str(golden_bf16), "--out", str(tmp_path / "ckpt"), "--quiet"]) == 0
+    assert main(["export", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--quiet"]) == 0
+    for f in ("config.json", "inference/config.json", "tokenizer.json"):
+        assert filecmp.cmp(release / f, tmp_path / "hf" / f, shallow=False), f
+    again = hf.load_hf_params(tmp_path / "hf")
+    with ShardedCheckpoint(tmp_path / "hf") as back, ShardedCheckpoint(release) as ref:
+        assert {n: (back.info(n).dtype, back.info(n).shape) for n in back.keys()} == \
+            {n: (ref.info(n).dtype, ref.info(n).shape) for n in ref.keys()}
+    for name, value in want.items():
+        np.testing.assert_array_equal(again[name], value, err_msg=name)
 
 
 def test_a_float_checkpoint_exports_onto_the_same_values(tiny_converted, tmp_path):

@@ -25,6 +25,7 @@ from dsv41_jax.data.corpus import open_documents
     ({"attention": {"beta_fast": 1.0}}, "attention.beta_fast (1.0) must exceed beta_slow (1.0)"),
     ({"attention": {"rope_theta": float("nan")}}, "attention.rope_theta must be > 0, got nan"),
     ({"moe": {"route_scale": 0.0}}, "moe.route_scale must be > 0, got 0.0"),
+    ({"moe": {"routed_path": "dense"}}, "moe.routed_path must be one of 'auto', 'gather', 'grouped', got 'dense'"),
     ({"mhc": {"hc_mult": 0}}, "mhc.hc_mult must be ≥ 1, got 0"),
     ({"mhc": {"hc_sinkhorn_iters": 0}}, "mhc.hc_sinkhorn_iters must be ≥ 1, got 0"),
     ({"engram": {"n_heads": 3}}, "engram.num_embeddings [434, 606] must be the rows the hash addresses, [721, 1115]"),

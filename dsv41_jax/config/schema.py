@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 KERNEL_BACKENDS = ("xla", "pallas")  # = pallas_kernels.*.api.BACKENDS
 GROUPED_MATMULS = ("auto", "xla", "tokamax")  # = dsv41_jax.model.moe.grouped_matmul's implementations
+ROUTED_PATHS = ("auto", "gather", "grouped")  # dsv41_jax.model.moe.gathers's paths
 
 
 class ConfigError(ValueError):
@@ -91,6 +92,9 @@ class MoEConfig:
     # the routed experts' grouped matmul (dsv41_jax.model.moe.grouped_matmul): auto = tokamax's kernel on GPU
     # when it is installed (extra `gpu`), else lax.ragged_dot; or force `xla` / `tokamax`
     grouped_matmul: str = "auto"
+    # how the routed experts are read (dsv41_jax.model.moe.gathers): auto = gather only the picked experts'
+    # weights when 3 · tokens · k < experts (a decode step), else the grouped matmul; or force `gather` / `grouped`
+    routed_path: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -316,5 +320,8 @@ def validate(cfg: ModelConfig, source: str | None = None) -> None:
     if mo.grouped_matmul not in GROUPED_MATMULS:
         fail(f"moe.grouped_matmul must be one of {', '.join(map(repr, GROUPED_MATMULS))}, got "
              f"{mo.grouped_matmul!r}", source)
+    if mo.routed_path not in ROUTED_PATHS:
+        fail(f"moe.routed_path must be one of {', '.join(map(repr, ROUTED_PATHS))}, got {mo.routed_path!r}",
+             source)
     if mo.score_func != "sqrtsoftplus":
         fail(f"moe.score_func {mo.score_func!r} is not supported; V4.1 uses 'sqrtsoftplus'", source)

@@ -1,9 +1,11 @@
 """MoE: sqrtsoftplus router with selection biases, clamped-SwiGLU experts, one shared expert (spec model §5).
 
 Routed experts are computed with a grouped matmul over tokens sorted by expert (:func:`grouped_matmul`:
-tokamax's Mosaic kernel on GPU, ``lax.ragged_dot`` elsewhere; XLA's GPU ragged_dot densifies). Under
-:func:`expert_parallel` with a mesh whose ``expert`` axis has several devices, each device holds only its slice
-of the experts and :func:`routed_experts_ep` exchanges tokens instead of weights (``shard_map``).
+tokamax's Mosaic kernel on GPU, ``lax.ragged_dot`` elsewhere; XLA's GPU ragged_dot densifies), or, for a few
+token copies (a decode step), by gathering only the picked experts' weights (:func:`gathers` decides, at trace
+time; MXFP4 experts are dequantised after the gather). Under :func:`expert_parallel` with a mesh whose
+``expert`` axis has several devices, each device holds only its slice of the experts and
+:func:`routed_experts_ep` exchanges tokens instead of weights (``shard_map``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dsv41_jax import quant
 from dsv41_jax.config import MoEConfig
+from dsv41_jax.config.schema import ROUTED_PATHS
 from dsv41_jax.model.layers import Linear, normal
 from dsv41_jax.sharding import BATCH_AXES, PARAM_AXES, batch_local, param
 
@@ -73,18 +76,23 @@ class StackedLinear(nnx.Module):
         self.weight = param(role, w)
         self.native = native
 
+    def stored(self) -> tuple[Array, ...]:
+        """The stored arrays: ``(weight,)``, or ``(codes, scale)`` when native."""
+        return (self.weight[...], self.scale[...]) if self.native else (self.weight[...],)
+
     def dense(self, dtype) -> Float[Array, "E Y X"]:
         """All experts as ``dtype`` matrices (dequantised on the fly when native; exact in bf16 and fp32)."""
-        if self.native:
-            return quant.dequant_fp4_rows(self.weight[...], self.scale[...]).astype(dtype)
-        return self.weight[...].astype(dtype)
+        return _dequant(self.stored(), dtype)
 
-    def take(self, ids: Int[Array, "*B"], dtype) -> Float[Array, "*B Y X"]:
-        """The experts ``ids`` only, gathered before dequantising: reads ``len(ids)`` experts, not all."""
-        if self.native:
-            return quant.dequant_fp4_rows(jnp.take(self.weight[...], ids, 0), jnp.take(self.scale[...], ids, 0)
-                                          ).astype(dtype)
-        return jnp.take(self.weight[...], ids, 0).astype(dtype)
+
+def _dequant(stored: tuple[Array, ...], dtype) -> Array:
+    return (quant.dequant_fp4_rows(*stored) if len(stored) == 2 else stored[0]).astype(dtype)
+
+
+def take_experts(stored: tuple[Array, ...], ids: Int[Array, "*B"], dtype) -> Float[Array, "*B Y X"]:
+    """Experts ``ids`` of :meth:`StackedLinear.stored` arrays [E, ...] as ``dtype`` matrices: the codes and
+    scales of the picked experts are gathered first, so only they are read and dequantised."""
+    return _dequant(tuple(jnp.take(a, ids, 0) for a in stored), dtype)
 
 
 class Experts(nnx.Module):
@@ -151,29 +159,41 @@ def _tokamax():
     return tokamax
 
 
-def routed_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
-                   module: Experts, limit: float, implementation: str = "auto") -> Float[Array, "U D"]:
-    """Σ_k weight_k · Expert_{e_k}(x) in fp32, by sorting token copies by expert and a grouped matmul.
+def gathers(copies: int, n_experts: int, path: str = "auto") -> bool:
+    """Whether ``copies`` token copies (tokens × K) go through the picked experts' gathered weights rather
+    than the grouped matmul over all ``n_experts``; static, decided at trace time from shapes.
 
-    With far fewer token copies than experts (a decode step: U·K = 6 per sequence against 384 experts) the
-    selected experts' weights are gathered instead, so the step reads U·K expert matrices rather than all
-    of them; the grouped matmul would stream every expert's weights (and dequantise every MXFP4 expert)
-    to compute a handful of rows. Both paths accumulate in fp32. ``implementation``: :func:`grouped_matmul`'s.
+    ``auto`` gathers when 3 · copies < n_experts: gathering copies each picked expert (read, write, read
+    again), the grouped matmul reads every expert once (and dequantises every MXFP4 expert). Measured on the
+    H200 (BENCHMARKS.md): 6 picks of 16 bf16 experts, gathering was 12 % slower; the release's batch 1 picks
+    6 of 384. ``gather`` / ``grouped`` force a path (benchmarks, equivalence tests).
     """
-    dt = x.dtype
-    # gathering copies each picked expert (read + write + read again); the grouped matmul reads every expert
-    # once. Measured on the H200 (BENCHMARKS.md): 6 picks of 16 bf16 experts, gathering was 12% slower.
-    if 3 * experts.size < module.w1.weight.shape[0]:
-        return _gathered_experts(x, experts, weights, module, limit)
-    w1, w2, w3 = (m.dense(dt) for m in (module.w1, module.w2, module.w3))
+    if path not in ROUTED_PATHS:
+        raise ValueError(f"moe routed path must be one of {', '.join(ROUTED_PATHS)}, got {path!r}")
+    return path == "gather" or (path == "auto" and 3 * copies < n_experts)
+
+
+def routed_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
+                   module: Experts, limit: float, implementation: str = "auto", path: str = "auto"
+                   ) -> Float[Array, "U D"]:
+    """Σ_k weight_k · Expert_{e_k}(x) in fp32: the picked experts' gathered weights when :func:`gathers`
+    says so (a decode step: U·K = 6 per sequence against 384 experts, so the step reads U·K expert
+    matrices rather than all of them), else token copies sorted by expert and a grouped matmul.
+    ``implementation``: :func:`grouped_matmul`'s; ``path``: :func:`gathers`'s.
+    """
+    mats = (module.w1, module.w2, module.w3)
+    if gathers(experts.size, module.w1.weight.shape[0], path):
+        return _gathered_experts(x, experts, weights, tuple(m.stored() for m in mats), limit)
+    w1, w2, w3 = (m.dense(x.dtype) for m in mats)
     return _local_experts(x, experts, weights, w1, w2, w3, limit, first=0, implementation=implementation)
 
 
 def _gathered_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
-                      module: Experts, limit: float) -> Float[Array, "U D"]:
-    """Per token copy, its expert's three matrices gathered by id: [U, K, F, D] then two batched matvecs."""
+                      stored: tuple[tuple[Array, ...], ...], limit: float) -> Float[Array, "U D"]:
+    """Per token copy, its expert's three matrices gathered by id from ``stored`` (w1, w2, w3 as
+    :meth:`StackedLinear.stored`): [U, K, F, D] then two batched matvecs and the weighted sum over K."""
     dt = x.dtype
-    w1, w2, w3 = (m.take(experts, dt) for m in (module.w1, module.w2, module.w3))
+    w1, w2, w3 = (take_experts(a, experts, dt) for a in stored)
     f32 = jnp.float32
     gate = jnp.einsum("ud,ukfd->ukf", x, w1, preferred_element_type=f32)
     up = jnp.einsum("ud,ukfd->ukf", x, w3, preferred_element_type=f32)
@@ -230,8 +250,8 @@ def expert_parallel(mesh: jax.sharding.Mesh | None):
 
 
 def routed_experts_ep(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
-                      module: Experts, limit: float, mesh: jax.sharding.Mesh, implementation: str = "auto"
-                      ) -> Float[Array, "U D"]:
+                      module: Experts, limit: float, mesh: jax.sharding.Mesh, implementation: str = "auto",
+                      path: str = "auto") -> Float[Array, "U D"]:
     """:func:`routed_experts` with the experts split over ``mesh``'s ``expert`` axis (``shard_map``).
 
     Tokens are split over as many of ``TOKEN_AXES`` as divide them. Each device gathers the tokens of its
@@ -240,7 +260,8 @@ def routed_experts_ep(x: Float[Array, "U D"], experts: Int[Array, "U K"], weight
     (e.g. decode at batch 1), every device of a group holds all of them and the partial outputs are all-reduced.
     Exact: the same products as :func:`routed_experts`; only the fp32 sum over a token's experts is ordered
     differently. Traffic per MoE layer is 2·U·D per device, against U·K·D for an all-to-all dispatch: less
-    while the ``expert`` axis is no larger than K.
+    while the ``expert`` axis is no larger than K. Each device computes its copies by :func:`gathers`'s rule
+    over its own experts: gathered (copies routed elsewhere take local expert 0 with weight 0), or grouped.
     """
     from jax.sharding import PartitionSpec as P
 
@@ -256,20 +277,29 @@ def routed_experts_ep(x: Float[Array, "U D"], experts: Int[Array, "U K"], weight
     split = "expert" in axes
     tok = P(tuple(axes) or None)
     dt = x.dtype
-    ws = tuple(m.dense(dt) for m in (module.w1, module.w2, module.w3))
+    stored = [m.stored() for m in (module.w1, module.w2, module.w3)]
+    per = len(stored[0])  # arrays per matrix: 1, or 2 when native (codes, scales)
+    gather = gathers(experts.size, n // n_ep, path)  # every copy reaches every device of its group
 
-    def body(x, e, w, w1, w2, w3):
+    def body(x, e, w, *arrays):
         if split:
             x, e, w = (jax.lax.all_gather(v, "expert", axis=0, tiled=True) for v in (x, e, w))
-        first = jax.lax.axis_index("expert") * w1.shape[0]
-        y = _local_experts(x, e, w, w1, w2, w3, limit, first, implementation)
+        mats = tuple(arrays[i * per:(i + 1) * per] for i in range(3))
+        first = jax.lax.axis_index("expert") * arrays[0].shape[0]
+        if gather:
+            local = e - first
+            mine = (local >= 0) & (local < arrays[0].shape[0])
+            y = _gathered_experts(x, jnp.where(mine, local, 0), jnp.where(mine, w, 0.0), mats, limit)
+        else:
+            w1, w2, w3 = (_dequant(a, dt) for a in mats)
+            y = _local_experts(x, e, w, w1, w2, w3, limit, first, implementation)
         if split:
             return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
         return jax.lax.psum(y, "expert")
 
     wspec = P("expert", None, None)
-    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec), out_specs=tok,
-                         check_vma=False)(x, experts, weights, *ws)
+    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *[wspec] * (3 * per)), out_specs=tok,
+                         check_vma=False)(x, experts, weights, *(a for m in stored for a in m))
 
 
 class MoE(nnx.Module):
@@ -288,7 +318,7 @@ class MoE(nnx.Module):
         mesh = _EP_MESH.get()
         args = (flat, routing.experts.reshape(b * s, -1), routing.weights.reshape(b * s, -1), self.experts,
                 self.cfg.swiglu_limit)
-        impl = self.cfg.grouped_matmul
-        y = routed_experts(*args, implementation=impl) if mesh is None else routed_experts_ep(*args, mesh, impl)
+        impl, path = self.cfg.grouped_matmul, self.cfg.routed_path
+        y = routed_experts(*args, impl, path) if mesh is None else routed_experts_ep(*args, mesh, impl, path)
         y = y + self.shared_experts(flat, self.cfg.swiglu_limit).astype(jnp.float32)
         return y.reshape(b, s, d).astype(x.dtype), routing

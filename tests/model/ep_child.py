@@ -1,11 +1,14 @@
 """The multi-device half of ``test_moe_ep.py`` (run with 8 fake CPU devices).
 
 One MoE layer of the tiny config, forward and gradient, expert-parallel on several meshes against the
-single-device grouped matmul. Prints one JSON line per mesh.
+single-device grouped matmul; then decode-shaped forwards (one token per sequence) of MXFP4 experts on the
+gathered path, each device gathering its own experts, against the single-device grouped matmul. Prints one
+JSON line per case.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -46,6 +49,33 @@ def main():
                           "grad_scale": float(jnp.abs(gx1).max()),
                           "collectives": sorted(set(re.findall(
                               r"\b(all-reduce|all-gather|reduce-scatter|all-to-all)\b", hlo)))}))
+    decode_gathered()
+
+
+def decode_gathered():
+    cfg = C.tiny().replace(dtype="float32", weight_format="native")
+    m = cfg.moe
+    moe = MoE(m, cfg.dim, m.n_routed_experts, m.n_activated_experts, dtype=jnp.float32, param_dtype=jnp.float32,
+              rngs=nnx.Rngs(1), native=True)
+    _, state = nnx.split(moe)
+    rng = np.random.default_rng(1)
+    graphs = {p: nnx.graphdef(MoE(dataclasses.replace(m, routed_path=p), cfg.dim, m.n_routed_experts,
+                                  m.n_activated_experts, dtype=jnp.float32, param_dtype=jnp.float32,
+                                  rngs=nnx.Rngs(1), native=True)) for p in ("gather", "grouped")}
+
+    def forward(state, x, mesh, path):
+        with expert_parallel(mesh):
+            return nnx.merge(graphs[path], state)(x)[0]
+
+    fn = jax.jit(forward, static_argnums=(2, 3))
+    for shape, batch in (((1, 1, 8, 1), 1), ((1, 1, 2, 1), 2)):
+        x = jnp.asarray(rng.standard_normal((batch, 1, cfg.dim)), jnp.float32)
+        want = fn(state, x, None, "grouped")
+        step = fn.lower(state, x, build_mesh(shape), "gather").compile()
+        got = step(state, x)
+        print(json.dumps({"decode": shape, "batch": batch, "err": float(jnp.abs(got - want).max()),
+                          "scale": float(jnp.abs(want).max()), "collectives": sorted(set(re.findall(
+                              r"\b(all-reduce|all-gather|reduce-scatter|all-to-all)\b", step.as_text())))}))
 
 
 if __name__ == "__main__":

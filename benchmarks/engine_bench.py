@@ -1,8 +1,10 @@
 """Decode and prefill timings of the inference engine on a config with the release's layer structure.
 
-Prints one JSON line per measurement.
+Prints one JSON line per measurement; a decode step also prints the bytes it needs (:func:`decode_floor`,
+computed, not XLA's count), that floor's time at 4.3 TB/s and the measured step's share of it.
 Usage: python benchmarks/engine_bench.py decode|prefill|decode+prefill|parts|cost ...
-[--mesh DxFxExT] (decode: weights placed by the sharding table, sequences over data×expert, MoE expert-parallel).
+[--mesh=DxFxExT] (decode: weights placed by the sharding table, sequences over data×expert, MoE expert-parallel)
+[--moe=auto|gather|grouped] (the routed experts' path, model.moe.routed_path).
 Sizes: the release's attention and indexer geometry (64 heads × 512, index 32 × 128, top-k 512, window 128,
 2048 candidate blocks of 8) and all 40 layers with their roles; a narrower residual (dim 2048) and fewer,
 smaller experts so that it fits one H200 in bf16.
@@ -11,7 +13,9 @@ smaller experts so that it fits one H200 in bf16.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import sys
 import time
 
@@ -32,6 +36,82 @@ def bench_config() -> Cfg.ModelConfig:
     e = dataclasses.replace(e, num_embeddings=tuple(int(x) for x in engram_primes(e).sum(axis=(1, 2))))
     return base.replace(dim=2048, dtype="bfloat16", param_dtype="bfloat16", engram=e,
                         moe=dataclasses.replace(base.moe, n_routed_experts=16, moe_inter_dim=1024))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the bytes a decode step needs
+
+COPY_TB_PER_S = 4.3  # the H200's copy rate from a good kernel (notes/PLATFORM.md; XLA's own copy: 2.8)
+
+
+def expected_experts(n: int, k: int, batch: int) -> float:
+    """Distinct experts that ``batch`` tokens pick, each ``k`` distinct of ``n``, in expectation under balanced,
+    independent routing (what the aux-loss-free balance aims at): ``n · (1 − (1 − k/n)^batch)``; k at batch 1."""
+    return n * (1.0 - (1.0 - k / n) ** batch)
+
+
+def weight_reads(cfg: Cfg.ModelConfig, batch: int) -> dict[str, float]:
+    """Bytes of the parameters one decode step of ``batch`` sequences reads, at their stored dtypes (the
+    abstract parameter tree, so ``weight_format: native`` counts FP8 / MXFP4 codes and E8M0 scales): every
+    parameter once, except the routed experts (:func:`expected_experts` of each layer's E), the token
+    embedding (one row per sequence), the Engram tables (``n_columns`` rows per sequence and layer) and the
+    image-token router bias (unused by text)."""
+    m = cfg.moe
+    picked = expected_experts(m.n_routed_experts, m.n_activated_experts, batch) / m.n_routed_experts
+    out = {"routed_experts": 0.0, "embedding_rows": 0.0, "engram_rows": 0.0, "other_weights": 0.0}
+    for name, nbytes, rows in _parameter_bytes(cfg):
+        if ".ffn.experts." in name:
+            out["routed_experts"] += nbytes * picked
+        elif name == "embed.weight":
+            out["embedding_rows"] += nbytes * min(batch / rows, 1.0)
+        elif ".engram.embed." in name:
+            out["engram_rows"] += nbytes * min(batch * cfg.engram.n_columns / rows, 1.0)
+        elif not name.endswith(".ffn.gate.bias_vl"):
+            out["other_weights"] += nbytes
+    return out
+
+
+@functools.cache
+def _parameter_bytes(cfg: Cfg.ModelConfig) -> tuple[tuple[str, int, int], ...]:
+    """(name, bytes, leading dimension) of each backbone parameter, from the abstract tree (no memory)."""
+    from dsv41_jax.checkpoint.tree import NON_BACKBONE_PREFIXES, flat_variables
+    from dsv41_jax.model.transformer import abstract_model
+
+    return tuple((name, math.prod(v.shape) * jnp.dtype(v.dtype).itemsize, v.shape[0] if v.shape else 1)
+                 for name, v in flat_variables(abstract_model(cfg)).items()
+                 if not name.startswith(NON_BACKBONE_PREFIXES))
+
+
+def cache_reads(cfg: Cfg.ModelConfig, batch: int, context: int) -> dict[str, float]:
+    """Bytes of the packed caches one decode step reads at ``context`` tokens, each byte once: every layer's
+    SWA ring (``window`` entries, FP8 + E8M0 per 32), each KV source's index keys in full (MXFP4: the Full
+    layer's scan; a Reindex layer scores a subset of the same keys) and compressor carry (ratio 2), and the
+    ``index_topk`` main-KV entries (NVFP4) of each distinct (KV source, top-k source) pair (Reuse layers
+    attend to their source's picks). Writes (one ring slot, at most one entry per source) are left out."""
+    from dsv41_jax.topology import topology
+
+    a = cfg.attention
+    h, i = a.head_dim, a.index_head_dim
+    ring, main_entry, index_entry = h + h // 32, h // 2 + h // 16, i // 2 + i // 32
+    specs = topology(cfg)
+    pairs = {(s.kv_source, s.topk_source) for s in specs if s.compressed}
+    out = {"swa_rings": cfg.n_layers * a.window_size * ring,
+           "index_keys": sum(context // a.compress_ratios[s] * index_entry for s in a.kv_source_layers),
+           "compressor_carry": sum(2 * h * 4 for s in a.kv_source_layers if a.compress_ratios[s] == 2),
+           "attended_entries": sum(min(a.index_topk, context // a.compress_ratios[kv]) * main_entry
+                                   for kv, _ in pairs)}
+    return {k: v * batch for k, v in out.items()}
+
+
+def decode_floor(cfg: Cfg.ModelConfig, batch: int, context: int) -> dict[str, float]:
+    """The bytes a decode step needs (:func:`weight_reads` + :func:`cache_reads`) by part, their ``total`` and
+    ``floor_ms``, the time to read them once at :data:`COPY_TB_PER_S`."""
+    parts = {**weight_reads(cfg, batch), **cache_reads(cfg, batch, context)}
+    total = sum(parts.values())
+    return {**parts, "total": total, "floor_ms": total / (COPY_TB_PER_S * 1e12) * 1e3}
+
+
+# ----------------------------------------------------------------------------------------------------
 
 
 def timeit(fn, *args, reps=10):
@@ -96,7 +176,7 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None):
             if mesh is not None:
                 cache = jax.device_put(cache, named_shardings(mesh, C.cache_partition_specs(cache, mesh,
                                                                                    batch_axis=SERVE_BATCH)))
-            tokens = jnp.ones((b, 1), jnp.int32)
+            tokens = (jnp.arange(b, dtype=jnp.int32)[:, None] * 7919 + 1) % cfg.vocab_size  # rows route apart
             rows = jnp.stack([jnp.full((b, 1, cfg.engram.n_columns), r // 2, jnp.int32) for r in rows_per], 2)
             t0 = time.perf_counter()
             step = jax.jit(one_step).lower(state, cache, tokens, rows).compile()
@@ -108,11 +188,16 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None):
             weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
             # XLA's count of bytes the step's kernels read and write (weights, caches, intermediates)
             accessed = analysis.get("bytes accessed", float("nan"))
+            floor = decode_floor(cfg, b, ctx)
             print(json.dumps({"bench": "decode_step", "mesh": None if mesh is None else dict(mesh.shape),
-                              "batch": b, "context": ctx, "ms": sec * 1e3,
+                              "moe": cfg.moe.routed_path, "batch": b, "context": ctx, "ms": sec * 1e3,
                               "tokens_per_s": b / sec, "compile_s": compile_s, "cache_GB": cache_bytes / 1e9,
                               "weights_GB": weight_bytes / 1e9, "bytes_accessed_GB": accessed / 1e9,
-                              "achieved_GB_per_s": accessed / sec / 1e9}), flush=True)
+                              "achieved_GB_per_s": accessed / sec / 1e9,
+                              "bytes_needed_GB": floor["total"] / 1e9, "floor_ms": floor["floor_ms"],
+                              "share_of_4.3TBps": floor["floor_ms"] / (sec * 1e3),
+                              "needed_GB": {k: v / 1e9 for k, v in floor.items() if k not in ("total", "floor_ms")}}),
+                  flush=True)
             del cache
 
 
@@ -207,8 +292,13 @@ if __name__ == "__main__":
         sys.argv.remove(arg)
         shape = tuple(int(x) for x in arg.split("=")[1].split("x"))
         mesh = build_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
+    routed_path = "auto"
+    for arg in [a for a in sys.argv if a.startswith("--moe=")]:
+        sys.argv.remove(arg)
+        routed_path = arg.split("=")[1]
     what = sys.argv[1] if len(sys.argv) > 1 else "decode"
     cfg = bench_config()
+    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, routed_path=routed_path))
     print(json.dumps({"device": str(jax.devices()[0]), "jax": jax.__version__, "config": "release layers, dim 2048, "
                       "16 experts x 1024"}), flush=True)
     if what == "parts":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from test_entry_points import load_script
 
 
@@ -32,3 +33,63 @@ def test_gather_vjp_variants_agree():
             np.testing.assert_allclose(out["autodiff_bf16"], exact, **tol)
         else:  # rounding at every collision is worse than rounding once
             assert np.abs(out["autodiff_bf16"] - exact).max() > 4 * np.abs(out["fp32"] - exact).max()
+
+
+def _program_reads(step, state, *args) -> dict[str, int]:
+    """Bytes that ``step``'s jaxpr reads from each leaf of ``state`` (its first argument), by dotted name: a
+    take, gather or slice reads its output's bytes, a leaf that nothing uses none, any other use all of it
+    (capped at the leaf's size)."""
+    jaxpr = jax.make_jaxpr(step)(state, *args).jaxpr
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    partial = {"_take", "gather", "slice", "dynamic_slice"}
+    reads = {}
+    for (path, leaf), var in zip(leaves, jaxpr.invars, strict=False):
+        nbytes = leaf.size * leaf.dtype.itemsize
+        used = [e for e in jaxpr.eqns if any(v is var for v in e.invars)]
+        got = sum(e.outvars[0].aval.size * e.outvars[0].aval.dtype.itemsize
+                  if e.params.get("name", e.primitive.name) in partial else nbytes for e in used)
+        reads[".".join(str(getattr(k, "key", k)) for k in path)] = min(got, nbytes)
+    return reads
+
+
+@pytest.mark.parametrize("weights", ["float", "native"])
+def test_decode_floor_counts_what_a_decode_step_reads(weights):
+    """engine_bench's bytes-per-decode-step floor on the tiny model against independent counts: its weight
+    part against what the traced decode step (batch 1, the gathered experts) reads from each parameter, at
+    the stored precision (FP8 / MXFP4 codes and E8M0 scales when native); its cache part against the bytes
+    of the packed cache arrays allocated at that context and the attention layers' own KV and top-k sources."""
+    from flax import nnx
+
+    from dsv41_jax import cache as C
+    from dsv41_jax import config as Cfg
+    from dsv41_jax.engine.step import forward_chunk
+    from dsv41_jax.model.transformer import abstract_model
+
+    bench = load_script("benchmarks/engine_bench.py")
+    cfg = Cfg.tiny().replace(weight_format=weights)
+    model = abstract_model(cfg)
+    graphdef, state = nnx.split(model)
+    ctx = 64  # 32 entries in ratio-2 sources, 64 in ratio-1: top-k 16 and the 32-entry pool bind
+    cache = jax.eval_shape(lambda: C.init_cache(cfg, 1, ctx))
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    rows = jax.ShapeDtypeStruct((1, 1, len(cfg.engram.layer_ids), cfg.engram.n_columns), jnp.int32)
+    step = lambda st, c, t, r: forward_chunk(nnx.merge(graphdef, st), c, t, r, jnp.ones((1,), jnp.int32))  # noqa: E731
+    reads = _program_reads(step, state, cache, tokens, rows)
+    got = bench.weight_reads(cfg, 1)
+    experts = sum(v for k, v in reads.items() if ".ffn.experts." in k)
+    assert experts == got["routed_experts"] > 0  # K of E experts per layer, codes and scales when native
+    assert sum(reads.values()) == sum(got.values())
+
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    entry = {id(s): nbytes(s.kv_codes) + nbytes(s.kv_scales) for s in cache.sources}
+    src = {layer: s for layer, s in zip(cfg.attention.kv_source_layers, cache.sources, strict=True)}
+    pairs = {(b.attn.spec.kv_source, b.attn.spec.topk_source) for b in model.layers if b.attn.spec.compressed}
+    attended = sum(cfg.attention.index_topk * entry[id(src[kv])] // src[kv].kv_codes.shape[1] for kv, _ in pairs)
+    want = {"swa_rings": nbytes(cache.rings), "index_keys": sum(nbytes((s.ik_codes, s.ik_exps)) for s in cache.sources),
+            "compressor_carry": sum(nbytes((s.carry_c, s.carry_z)) for s in cache.sources),
+            "attended_entries": attended}
+    assert bench.cache_reads(cfg, 1, ctx) == want
+    assert bench.cache_reads(cfg, 3, ctx) == {k: 3 * v for k, v in want.items()}
+    # batch: K distinct experts at 1, all E in the limit; one embedding row per sequence
+    assert bench.expected_experts(8, 2, 1) == 2 and abs(bench.expected_experts(8, 2, 200) - 8) < 1e-9
+    assert bench.weight_reads(cfg, 4)["embedding_rows"] == 4 * got["embedding_rows"]

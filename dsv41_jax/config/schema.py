@@ -93,7 +93,8 @@ class MoEConfig:
     # when it is installed (extra `gpu`), else lax.ragged_dot; or force `xla` / `tokamax`
     grouped_matmul: str = "auto"
     # how the routed experts are read (dsv41_jax.model.moe.gathers): auto = gather only the picked experts'
-    # weights when 3 · tokens · k < experts (a decode step), else the grouped matmul; or force `gather` / `grouped`
+    # weights when that moves fewer bytes than the grouped matmul over all of them (3 · tokens · k < experts in
+    # the activation dtype, tokens · k < 0.81 · experts in MXFP4 under bf16: decode); or force `gather` / `grouped`
     routed_path: str = "auto"
 
 

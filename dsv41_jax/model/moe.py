@@ -159,18 +159,33 @@ def _tokamax():
     return tokamax
 
 
-def gathers(copies: int, n_experts: int, path: str = "auto") -> bool:
+def gathers(copies: int, n_experts: int, path: str = "auto", *, stored: float = 1.0, dequantised: float = 0.0
+            ) -> bool:
     """Whether ``copies`` token copies (tokens × K) go through the picked experts' gathered weights rather
-    than the grouped matmul over all ``n_experts``; static, decided at trace time from shapes.
+    than the grouped matmul over all ``n_experts``; static, decided at trace time from shapes and dtypes.
 
-    ``auto`` gathers when 3 · copies < n_experts: gathering copies each picked expert (read, write, read
-    again), the grouped matmul reads every expert once (and dequantises every MXFP4 expert). Measured on the
-    H200 (BENCHMARKS.md): 6 picks of 16 bf16 experts, gathering was 12 % slower; the release's batch 1 picks
-    6 of 384. ``gather`` / ``grouped`` force a path (benchmarks, equivalence tests).
+    ``auto`` picks the path that moves fewer bytes per expert parameter. The grouped matmul reads each
+    expert's ``stored`` bytes once and, when the weights are not held in the activation dtype (MXFP4, or
+    fp32 weights under bf16 activations), writes and reads the converted matrix (``dequantised`` = twice the
+    activation's itemsize); a gathered copy costs that plus ``2 · stored`` for the take's read and write.
+    So auto gathers when copies · (3s + d) < n_experts · (s + d): 3 · copies < n_experts for weights in the
+    activation dtype (measured on the H200, BENCHMARKS.md: 6 picks of 16 bf16 experts, gathering was 12 %
+    slower), copies < 0.81 · n_experts for MXFP4 experts under bf16 (the release up to batch 51).
+    ``gather`` / ``grouped`` force a path (benchmarks, equivalence tests).
     """
     if path not in ROUTED_PATHS:
         raise ValueError(f"moe routed path must be one of {', '.join(ROUTED_PATHS)}, got {path!r}")
-    return path == "gather" or (path == "auto" and 3 * copies < n_experts)
+    grouped = stored + dequantised
+    return path == "gather" or (path == "auto" and copies * (2 * stored + grouped) < n_experts * grouped)
+
+
+def _read_bytes(m: StackedLinear, dtype) -> dict[str, float]:
+    """:func:`gathers`'s ``stored`` / ``dequantised`` bytes per parameter of ``m``'s experts under ``dtype``
+    activations (MXFP4: half a byte per code plus an E8M0 byte per 32)."""
+    w = m.weight
+    stored = 0.5 + 1 / quant.MXFP4_BLOCK if m.native else jnp.dtype(w.dtype).itemsize
+    cast = m.native or jnp.dtype(w.dtype) != jnp.dtype(dtype)
+    return {"stored": stored, "dequantised": 2 * jnp.dtype(dtype).itemsize if cast else 0.0}
 
 
 def routed_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
@@ -182,7 +197,7 @@ def routed_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: 
     ``implementation``: :func:`grouped_matmul`'s; ``path``: :func:`gathers`'s.
     """
     mats = (module.w1, module.w2, module.w3)
-    if gathers(experts.size, module.w1.weight.shape[0], path):
+    if gathers(experts.size, module.w1.weight.shape[0], path, **_read_bytes(module.w1, x.dtype)):
         return _gathered_experts(x, experts, weights, tuple(m.stored() for m in mats), limit)
     w1, w2, w3 = (m.dense(x.dtype) for m in mats)
     return _local_experts(x, experts, weights, w1, w2, w3, limit, first=0, implementation=implementation)
@@ -279,7 +294,8 @@ def routed_experts_ep(x: Float[Array, "U D"], experts: Int[Array, "U K"], weight
     dt = x.dtype
     stored = [m.stored() for m in (module.w1, module.w2, module.w3)]
     per = len(stored[0])  # arrays per matrix: 1, or 2 when native (codes, scales)
-    gather = gathers(experts.size, n // n_ep, path)  # every copy reaches every device of its group
+    # every copy reaches every device of its group
+    gather = gathers(experts.size, n // n_ep, path, **_read_bytes(module.w1, dt))
 
     def body(x, e, w, *arrays):
         if split:

@@ -235,8 +235,17 @@ def test_gathered_path_reads_only_the_picked_experts(native):
     bytes it reads (``U·K × bytes per expert``) are the same for 16 and 256 experts; the grouped path's
     first use of the weights is all E experts. (XLA's ``cost_analysis`` charges a gather its whole operand,
     so its byte count cannot show this; the jaxpr can.)"""
-    from dsv41_jax.model.moe import Experts
+    from dsv41_jax.model.moe import Experts, _read_bytes, gathers
 
+    # auto picks by bytes moved (gathers' docstring): weights in the activation dtype, 3·copies < E; MXFP4
+    # under bf16, copies < 0.81·E (the release's 384 experts up to batch 51); forced paths; a misspelt one
+    mx = _read_bytes(Experts(2, DIM, 32, param_dtype=jnp.float32, rngs=nnx.Rngs(0), native=True).w1, jnp.bfloat16)
+    assert mx == {"stored": 0.5 + 1 / 32, "dequantised": 4}
+    assert gathers(5, 16) and not gathers(6, 16)
+    assert gathers(6 * 51, 384, **mx) and not gathers(6 * 52, 384, **mx)
+    assert gathers(100, 8, "gather") and not gathers(1, 384, "grouped")
+    with pytest.raises(ValueError, match="got 'dense'"):
+        gathers(1, 8, "dense")
     x, picks, w = jnp.ones((2, DIM)), jnp.asarray([[1, 5, 9], [5, 2, 0]], jnp.int32), jnp.ones((2, 3))
     for n in (16, 256):
         graphdef, state = nnx.split(Experts(n, DIM, 32, param_dtype=jnp.float32, rngs=nnx.Rngs(0), native=native))

@@ -4,7 +4,9 @@ Prints one JSON line per measurement; a decode step also prints the bytes it nee
 computed, not XLA's count), that floor's time at 4.3 TB/s and the measured step's share of it.
 Usage: python benchmarks/engine_bench.py decode|prefill|decode+prefill|parts|cost ...
 [--mesh=DxFxExT] (decode: weights placed by the sharding table, sequences over data×expert, MoE expert-parallel)
-[--moe=auto|gather|grouped] (the routed experts' path, model.moe.routed_path).
+[--moe=auto|gather|grouped] (the routed experts' path, model.moe.routed_path)
+[--weights=float|native] (native: the release's FP8 linears and MXFP4 experts with E8M0 scales, random codes).
+``moe BATCHES [PATHS]``: one MoE layer at the release's dimensions with MXFP4 experts, each routed path.
 Sizes: the release's attention and indexer geometry (64 heads × 512, index 32 × 128, top-k 512, window 128,
 2048 candidate blocks of 8) and all 40 layers with their roles; a narrower residual (dim 2048) and fewer,
 smaller experts so that it fits one H200 in bf16.
@@ -56,10 +58,15 @@ def weight_reads(cfg: Cfg.ModelConfig, batch: int) -> dict[str, float]:
     parameter once, except the routed experts (:func:`expected_experts` of each layer's E), the token
     embedding (one row per sequence), the Engram tables (``n_columns`` rows per sequence and layer) and the
     image-token router bias (unused by text)."""
+    return _reads(_parameter_bytes(cfg), cfg, batch)
+
+
+def _reads(params, cfg: Cfg.ModelConfig, batch: int) -> dict[str, float]:
+    """:func:`weight_reads` of ``params``, (checkpoint name, bytes, leading dimension) triples."""
     m = cfg.moe
     picked = expected_experts(m.n_routed_experts, m.n_activated_experts, batch) / m.n_routed_experts
     out = {"routed_experts": 0.0, "embedding_rows": 0.0, "engram_rows": 0.0, "other_weights": 0.0}
-    for name, nbytes, rows in _parameter_bytes(cfg):
+    for name, nbytes, rows in params:
         if ".ffn.experts." in name:
             out["routed_experts"] += nbytes * picked
         elif name == "embed.weight":
@@ -74,12 +81,17 @@ def weight_reads(cfg: Cfg.ModelConfig, batch: int) -> dict[str, float]:
 @functools.cache
 def _parameter_bytes(cfg: Cfg.ModelConfig) -> tuple[tuple[str, int, int], ...]:
     """(name, bytes, leading dimension) of each backbone parameter, from the abstract tree (no memory)."""
-    from dsv41_jax.checkpoint.tree import NON_BACKBONE_PREFIXES, flat_variables
+    from dsv41_jax.checkpoint.tree import NON_BACKBONE_PREFIXES
     from dsv41_jax.model.transformer import abstract_model
 
-    return tuple((name, math.prod(v.shape) * jnp.dtype(v.dtype).itemsize, v.shape[0] if v.shape else 1)
-                 for name, v in flat_variables(abstract_model(cfg)).items()
-                 if not name.startswith(NON_BACKBONE_PREFIXES))
+    return tuple(t for t in _leaf_bytes(abstract_model(cfg)) if not t[0].startswith(NON_BACKBONE_PREFIXES))
+
+
+def _leaf_bytes(module: nnx.Module, prefix: str = "") -> tuple[tuple[str, int, int], ...]:
+    from dsv41_jax.checkpoint.tree import flat_variables
+
+    return tuple((prefix + name, math.prod(v.shape) * jnp.dtype(v.dtype).itemsize, v.shape[0] if v.shape else 1)
+                 for name, v in flat_variables(module).items())
 
 
 def cache_reads(cfg: Cfg.ModelConfig, batch: int, context: int) -> dict[str, float]:
@@ -126,22 +138,31 @@ def timeit(fn, *args, reps=10):
 
 
 def build(cfg, mesh=None):
-    """Random weights drawn leaf by leaf on the device (one small program per distinct shape and sharding; a
-    single jitted construction compiles one threefry per parameter and takes minutes at 40 layers). With a
+    """The model of ``cfg`` with random weights (:func:`draw`)."""
+    from dsv41_jax.model.transformer import abstract_model
+
+    return draw(abstract_model(cfg), mesh)
+
+
+def draw(module: nnx.Module, mesh=None):
+    """``nnx.split`` of the abstract ``module`` with random weights drawn leaf by leaf on the device (one small
+    program per distinct shape and sharding; a single jitted construction compiles one threefry per parameter
+    and takes minutes at 40 layers). Native storage gets random E2M1 / FP8 codes and E8M0 scales of 1. With a
     ``mesh`` each leaf is drawn already sharded by the sharding table (``dsv41_jax.sharding``)."""
     from jax.sharding import NamedSharding
 
     from dsv41_jax.checkpoint.tree import flat_variables
-    from dsv41_jax.model.transformer import abstract_model
     from dsv41_jax.sharding import logical_to_mesh
 
-    model = abstract_model(cfg)
     key = jax.random.key(0)
     fns = {}
-    for i, (name, var) in enumerate(sorted(flat_variables(model).items())):
+    for i, (name, var) in enumerate(sorted(flat_variables(module).items())):
         shape, dtype = tuple(var.shape), var.dtype
-        kind = "normal" if len(shape) >= 2 else "zeros" if any(t in name for t in ("bias", "sink", "base")) \
-            else "ones"
+        if dtype == jnp.uint8:
+            kind = "e8m0" if name.endswith("scale") else "codes"
+        else:
+            kind = "normal" if len(shape) >= 2 else "zeros" if any(t in name for t in ("bias", "sink", "base")) \
+                else "ones"
         axes = var.get_metadata().get("out_sharding")
         sharding = None
         if mesh is not None:
@@ -149,13 +170,45 @@ def build(cfg, mesh=None):
             sharding = NamedSharding(mesh, spec)
         sig = (kind, shape, str(dtype), sharding)
         if sig not in fns:
-            def draw(k, kind=kind, shape=shape, dtype=dtype):
+            def leaf(k, kind=kind, shape=shape, dtype=dtype):
                 if kind == "normal":
                     return (jax.random.normal(k, shape, jnp.float32) * shape[-1] ** -0.5).astype(dtype)
+                if kind == "codes":
+                    return jax.random.randint(k, shape, 0, 256, jnp.int32).astype(dtype)
+                if kind == "e8m0":
+                    return jnp.full(shape, 127, dtype)
                 return (jnp.zeros if kind == "zeros" else jnp.ones)(shape, dtype)
-            fns[sig] = jax.jit(draw, out_shardings=sharding)
+            fns[sig] = jax.jit(leaf, out_shardings=sharding)
         var.set_value(fns[sig](jax.random.fold_in(key, i)))
-    return nnx.split(model)
+    return nnx.split(module)
+
+
+def moe_layer(cfg: Cfg.ModelConfig, batches, paths=("gather", "grouped"), reps=10):
+    """One MoE layer of ``cfg`` (the release: dim 5120, 384 experts of 2304, k 6) with its experts in MXFP4, one
+    token per sequence, bf16: the step's time on each routed path against the bytes it needs (the experts the
+    batch picks, router and shared expert)."""
+    from dsv41_jax.model.moe import MoE
+
+    m = cfg.moe
+
+    def layer(path):
+        return nnx.eval_shape(lambda: MoE(dataclasses.replace(m, routed_path=path), cfg.dim, m.n_routed_experts,
+                                          m.n_activated_experts, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                          rngs=nnx.Rngs(0), native=True))
+
+    _, state = draw(layer("auto"))
+    params = _leaf_bytes(layer("auto"), "layers.0.ffn.")
+    for b in batches:
+        x = jax.random.normal(jax.random.key(b), (b, 1, cfg.dim), jnp.bfloat16)
+        needed = sum(_reads(params, cfg, b).values())
+        for path in paths:
+            graphdef = nnx.graphdef(layer(path))
+            sec, _ = timeit(jax.jit(lambda st, x, g=graphdef: nnx.merge(g, st)(x)[0]), state, x, reps=reps)
+            print(json.dumps({"bench": "moe_layer", "experts": m.n_routed_experts, "k": m.n_activated_experts,
+                              "dim": cfg.dim, "inter": m.moe_inter_dim, "batch": b, "path": path, "ms": sec * 1e3,
+                              "bytes_needed_GB": needed / 1e9,
+                              "floor_ms": needed / (COPY_TB_PER_S * 1e12) * 1e3,
+                              "share_of_4.3TBps": needed / (COPY_TB_PER_S * 1e12) / sec}), flush=True)
 
 
 def decode(graphdef, state, cfg, contexts, batches, mesh=None):
@@ -292,20 +345,24 @@ if __name__ == "__main__":
         sys.argv.remove(arg)
         shape = tuple(int(x) for x in arg.split("=")[1].split("x"))
         mesh = build_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
-    routed_path = "auto"
-    for arg in [a for a in sys.argv if a.startswith("--moe=")]:
+    flags = {"--moe": "auto", "--weights": "float"}
+    for arg in [a for a in sys.argv if a.split("=")[0] in flags]:
         sys.argv.remove(arg)
-        routed_path = arg.split("=")[1]
+        flags[arg.split("=")[0]] = arg.split("=")[1]
     what = sys.argv[1] if len(sys.argv) > 1 else "decode"
     cfg = bench_config()
-    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, routed_path=routed_path))
+    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, routed_path=flags["--moe"]), weight_format=flags["--weights"])
     print(json.dumps({"device": str(jax.devices()[0]), "jax": jax.__version__, "config": "release layers, dim 2048, "
-                      "16 experts x 1024"}), flush=True)
+                      "16 experts x 1024", "weights": cfg.weight_format}), flush=True)
     if what == "parts":
         parts(cfg, [4096, 16384, 65536, 131072], [1, 32])
         sys.exit()
     if what == "cost":
         cost(cfg, [int(x) for x in sys.argv[2].split(",")])
+        sys.exit()
+    if what == "moe":
+        moe_layer(Cfg.v41_flash(), [int(x) for x in sys.argv[2].split(",")],
+                  *([tuple(sys.argv[3].split(","))] if len(sys.argv) > 3 else []))
         sys.exit()
     graphdef, state = build(cfg, mesh)
     n_params = sum(x.size for x in jax.tree.leaves(state))

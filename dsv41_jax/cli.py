@@ -215,11 +215,13 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_eval_served(args) -> int:
-    """The exact-vs-served gap of a run's latest checkpoint on held-out prompt/response pairs."""
+    """The exact-vs-served gap of a run's latest checkpoint (or a converted / release one) on held-out
+    prompt/response pairs."""
     from dsv41_jax.posttrain.evaluate import eval_run
 
-    eval_run(args.run, args.data, args.boundaries, ablations=args.ablations, batch_size=args.batch_size,
-             max_len=args.max_len, max_pairs=args.max_pairs, cut=args.cut, out=args.out)
+    eval_run(args.data, args.boundaries, run=args.run, ckpt=args.ckpt, hf_dir=args.hf_dir, mesh=args.mesh,
+             ablations=args.ablations, batch_size=args.batch_size, max_len=args.max_len, max_pairs=args.max_pairs,
+             cut=args.cut, out=args.out)
     return 0
 
 
@@ -381,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_train)
     p = sub.add_parser("eval-served", help="gap between the exact forward and the served path (FP4 cache, CED, "
                        "bounded replay) on held-out prompt/response jsonl")
-    p.add_argument("--run", required=True, help="a `dsv41 train` run directory (its latest checkpoint)")
+    _add_checkpoint_source(p, run=True)
+    _add_mesh(p)
     p.add_argument("--data", required=True, action="append", help="jsonl of prompt/response pairs (repeatable)")
     p.add_argument("--boundaries", type=A.boundaries, default="cold",
                    help="cache-hit positions, comma-separated; cold = no hit")

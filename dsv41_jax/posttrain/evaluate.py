@@ -11,10 +11,15 @@ numerics as the engine, ``tests/posttrain``), since the packed cache always hold
 
 Per response token (rows ``N−1 … len−2`` predict the response and ``<eos>``): NLL difference (b − a),
 next-token agreement (argmax a == argmax b) and KL(a‖b).
+
+On a mesh (``--mesh``) the weights sit where the sharding table puts them (a run's or a converted checkpoint's
+restored straight into their shards), MoE layers run expert-parallel and the engine's cache is split over the
+batch as the generator splits it; every path is the same computation, only sums are ordered differently.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -29,9 +34,12 @@ from flax import nnx
 from dsv41_jax import cache as C
 from dsv41_jax.config import CacheQuant
 from dsv41_jax.engine.prefill import check_ced_cut, default_ced_cut, replay_after_hit
+from dsv41_jax.engine.sampling import SERVE_BATCH
 from dsv41_jax.engine.step import ChunkOptions, forward_chunk
+from dsv41_jax.model.moe import expert_parallel
 from dsv41_jax.model.transformer import Transformer, abstract_model
 from dsv41_jax.posttrain.replay import ServePlan, served_forward
+from dsv41_jax.sharding import named_shardings, state_partition_specs
 
 APPROXIMATIONS = ("main_kv", "index", "swa", "ced", "replay")
 QUANT = ("main_kv", "index", "swa")
@@ -72,30 +80,52 @@ def with_quant(model: Transformer, quant: CacheQuant) -> Transformer:
     return nnx.merge(graphdef, nnx.state(model))
 
 
+def on_mesh(model: Transformer, mesh: jax.sharding.Mesh | None) -> Transformer:
+    """``model`` with every variable placed by the sharding table on ``mesh`` (a no-op where it already is)."""
+    if mesh is None:
+        return model
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.device_put(state, named_shardings(mesh, state_partition_specs(state, mesh=mesh))))
+
+
+def _mesh_of(model: Transformer) -> jax.sharding.Mesh | None:
+    """The mesh ``model``'s weights are placed on (:func:`on_mesh`), or None on one device."""
+    sharding = jax.tree.leaves(nnx.state(model))[0].sharding
+    return sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
+
+
 # ----------------------------------------------------------------------------------------------------
-# the paths (jitted once per model structure and shape)
+# the paths (jitted once per model structure, shape and mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _exact(graphdef, state, tokens, rows):
-    return nnx.merge(graphdef, state)(tokens, rows)
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh"))
+def _exact(graphdef, state, tokens, rows, mesh):
+    with expert_parallel(mesh):
+        return nnx.merge(graphdef, state)(tokens, rows)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cut"))
-def _sim(graphdef, state, tokens, rows, hit, prompt_len, cut):
-    return served_forward(nnx.merge(graphdef, state), tokens, rows, ServePlan(hit, prompt_len), cut=cut)[0]
+@functools.partial(jax.jit, static_argnames=("graphdef", "cut", "mesh"))
+def _sim(graphdef, state, tokens, rows, hit, prompt_len, cut, mesh):
+    with expert_parallel(mesh):
+        return served_forward(nnx.merge(graphdef, state), tokens, rows, ServePlan(hit, prompt_len), cut=cut)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _chunk(graphdef, state, cache, tokens, rows, n_new):
-    return forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, n_new,
-                         options=ChunkOptions(all_logits=True))
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh"))
+def _chunk(graphdef, state, cache, tokens, rows, n_new, mesh):
+    with expert_parallel(mesh):
+        return forward_chunk(nnx.merge(graphdef, state), cache, tokens, rows, n_new,
+                             options=ChunkOptions(all_logits=True))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cut"))
-def _replay(graphdef, state, cache, tokens, rows, hit, n_new, cut):
-    return replay_after_hit(nnx.merge(graphdef, state), cache, tokens, rows, hit, n_new,
-                            options=ChunkOptions(ced_cut=cut, all_logits=True))
+@functools.partial(jax.jit, static_argnames=("graphdef", "cut", "mesh"))
+def _replay(graphdef, state, cache, tokens, rows, hit, n_new, cut, mesh):
+    with expert_parallel(mesh):
+        return replay_after_hit(nnx.merge(graphdef, state), cache, tokens, rows, hit, n_new,
+                                options=ChunkOptions(ced_cut=cut, all_logits=True))
+
+
+def _within(mesh: jax.sharding.Mesh | None):
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 def _rows(x):
@@ -105,14 +135,18 @@ def _rows(x):
 def exact_logits(model: Transformer, batch: EvalBatch) -> jax.Array:
     """(a) fp32 logits [B, L, V] of the training forward (under ``model``'s own switches)."""
     graphdef, state = nnx.split(model)
-    return _exact(graphdef, state, jnp.asarray(batch.tokens), _rows(batch.engram_rows))
+    mesh = _mesh_of(model)
+    with _within(mesh):
+        return _exact(graphdef, state, jnp.asarray(batch.tokens), _rows(batch.engram_rows), mesh)
 
 
 def sim_logits(model: Transformer, batch: EvalBatch, hit: np.ndarray, cut: int | None) -> jax.Array:
     """Logits [B, L, V] of the served-path simulation (``hit`` 0 = cold; ``cut`` None = no CED)."""
     graphdef, state = nnx.split(model)
-    return _sim(graphdef, state, jnp.asarray(batch.tokens), _rows(batch.engram_rows), jnp.asarray(hit, jnp.int32),
-                jnp.asarray(batch.prompt_len, jnp.int32), cut)
+    mesh = _mesh_of(model)
+    with _within(mesh):
+        return _sim(graphdef, state, jnp.asarray(batch.tokens), _rows(batch.engram_rows),
+                    jnp.asarray(hit, jnp.int32), jnp.asarray(batch.prompt_len, jnp.int32), cut, mesh)
 
 
 def _shift(x: np.ndarray | None, start: np.ndarray) -> np.ndarray | None:
@@ -136,15 +170,21 @@ def engine_logits(model: Transformer, batch: EvalBatch, hit: np.ndarray, cut: in
     if s <= w:
         raise ValueError(f"pad the batch beyond the window ({w}) so that CED narrows the decoder rows")
     graphdef, state = nnx.split(model)
+    mesh = _mesh_of(model)
     cap = -(-s // 2) * 2 + 2
     cache = C.init_cache(model.cfg, b, cap)
-    i32 = lambda x: jnp.asarray(x, jnp.int32)
-    _, cache = _chunk(graphdef, state, cache, jnp.asarray(batch.tokens), _rows(batch.engram_rows), i32(hit))
-    start = hit - w
-    last, cache = _replay(graphdef, state, cache, jnp.asarray(_shift(batch.tokens, start)),
-                          _rows(_shift(batch.engram_rows, start)), i32(hit), i32(n - start), cut)
-    resp, _ = _chunk(graphdef, state, cache, jnp.asarray(_shift(batch.tokens, n)),
-                     _rows(_shift(batch.engram_rows, n)), i32(batch.length - n))
+    if mesh is not None:  # rows split over the mesh as the generator splits its sequences
+        cache = jax.device_put(cache, named_shardings(mesh, C.cache_partition_specs(cache, mesh,
+                                                                                    batch_axis=SERVE_BATCH)))
+    i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))  # one placement for every call: no recompiles on a mesh
+    with _within(mesh):
+        _, cache = _chunk(graphdef, state, cache, jnp.asarray(batch.tokens), _rows(batch.engram_rows), i32(hit),
+                          mesh)
+        start = hit - w
+        last, cache = _replay(graphdef, state, cache, jnp.asarray(_shift(batch.tokens, start)),
+                              _rows(_shift(batch.engram_rows, start)), i32(hit), i32(n - start), cut, mesh)
+        resp, _ = _chunk(graphdef, state, cache, jnp.asarray(_shift(batch.tokens, n)),
+                         _rows(_shift(batch.engram_rows, n)), i32(batch.length - n), mesh)
     last, resp = np.asarray(last), np.asarray(resp)  # [B, W, V] (CED keeps the last W prompt rows), [B, L, V]
     out = np.zeros((b, s, last.shape[-1]), np.float32)
     for i in range(b):
@@ -165,7 +205,7 @@ def response_mask(batch: EvalBatch) -> np.ndarray:
 
 
 @jax.jit
-def _token_stats(a, b, targets):
+def _token_stats(a, b, targets):  # on a mesh: wherever a and b are
     la, lb = jax.nn.log_softmax(a), jax.nn.log_softmax(b)
     nll_a = -jnp.take_along_axis(la, targets[..., None], -1)[..., 0]
     nll_b = -jnp.take_along_axis(lb, targets[..., None], -1)[..., 0]
@@ -283,26 +323,45 @@ def load_batches(pairs: Sequence[tuple[str, str]], cfg, tokenizer_path, hasher, 
     return batches
 
 
-def eval_run(run_dir, data: Sequence[str], boundaries: Sequence[int | None], *, ablations: bool = False,
-             batch_size: int = 8, max_len: int = 256, max_pairs: int = 256, cut: int | None = None,
-             out=None, log=print) -> list[dict]:
-    """``dsv41 eval-served``: the gap table of a run's latest checkpoint on held-out prompt/response jsonl."""
+def _load(run, ckpt, hf_dir, mesh: str | None, log):
+    """(model with the served cache formats, hasher, tokenizer.json, SFT settings, where from, mesh): a run's
+    latest step with its own chat settings, or a converted / release checkpoint with the default ones."""
     from pathlib import Path
 
+    from dsv41_jax.engine.mesh import load_for_serving, serving_mesh
     from dsv41_jax.posttrain.config import SFTConfig
-    from dsv41_jax.posttrain.recipe import load_run_model, saved_run_config
-    from dsv41_jax.posttrain.sft import read_pairs
+    from dsv41_jax.posttrain.recipe import load_run_model, run_model_config, saved_run_config
 
-    saved, step = saved_run_config(run_dir)
+    if run is None:
+        loaded, on = load_for_serving(mesh, ckpt=ckpt, hf_dir=hf_dir, dtype="float32", param_dtype="float32",
+                                      log=log)
+        source = {"ckpt": str(ckpt)} if ckpt is not None else {"hf_dir": str(hf_dir)}
+        return with_quant(loaded.model, CacheQuant()), loaded.hasher, loaded.tokenizer, SFTConfig(), source, on
+    saved, step = saved_run_config(run)
     sft_dict = (saved.get("posttrain") or {}).get("sft") or {}
     sft = SFTConfig(**{k: v for k, v in sft_dict.items() if k != "paths"})
-    model, hasher = load_run_model(run_dir, dtype="float32", cache_quant=CacheQuant())
+    on = serving_mesh(mesh, run_model_config(run, saved))
+    model, hasher = load_run_model(run, dtype="float32", cache_quant=CacheQuant(), mesh=on)
+    return model, hasher, Path(run) / "tokenizer.json", sft, {"run": str(run), "step": step}, on
+
+
+def eval_run(data: Sequence[str], boundaries: Sequence[int | None], *, run=None, ckpt=None, hf_dir=None,
+             mesh: str | None = None, ablations: bool = False, batch_size: int = 8, max_len: int = 256,
+             max_pairs: int = 256, cut: int | None = None, out=None, log=print) -> list[dict]:
+    """``dsv41 eval-served``: the gap table of a run's latest checkpoint (or of a converted / release checkpoint)
+    on held-out prompt/response jsonl; ``mesh`` (``--mesh``): on that many devices."""
+    from dsv41_jax.posttrain.sft import read_pairs
+
+    model, hasher, tokenizer, sft, source, on = _load(run, ckpt, hf_dir, mesh, log)
+    model = on_mesh(model, on)
     pairs = read_pairs(tuple(data), sft.prompt_key, sft.response_key, max_pairs)
-    batches = load_batches(pairs, model.cfg, Path(run_dir) / "tokenizer.json",
-                           hasher if model.cfg.engram.layer_ids else None, sft, batch_size, max_len)
-    log(f"{run_dir} step {step}: {sum(int((b.length > b.prompt_len).sum()) for b in batches)} conversations")
+    batches = load_batches(pairs, model.cfg, tokenizer, hasher if model.cfg.engram.layer_ids else None, sft,
+                           batch_size, max_len)
+    mesh_note = f" on mesh {dict(on.shape)}" if on is not None else ""
+    title = " step ".join(str(v) for v in source.values())
+    log(f"{title}: {sum(int((b.length > b.prompt_len).sum()) for b in batches)} conversations{mesh_note}")
     rows = evaluate(model, batches, boundaries, settings(ablations), cut=cut)
     log(format_table(rows))
     if out:
-        write_jsonl(rows, out, run=str(run_dir), step=step)
+        write_jsonl(rows, out, **source)
     return rows

@@ -26,6 +26,7 @@ from dsv41_jax.model.transformer import Transformer, abstract_model
 from dsv41_jax.optim import optimizer
 from dsv41_jax.posttrain.sft import PosttrainData, read_pairs, sft_dataset, sft_rows
 from dsv41_jax.posttrain.step import make_posttrain_step
+from dsv41_jax.sharding import named_shardings, state_partition_specs
 from dsv41_jax.train.checkpoint import RunCheckpointer
 from dsv41_jax.train.step import TrainState, batch_sharding, split_model, state_shardings
 
@@ -170,16 +171,20 @@ def setup_posttrain(cfg, model_cfg: C.ModelConfig, mesh, tok_path: Path, token_m
     return state, step, sft_ds or lm_ds, data
 
 
-def load_run_model(run_dir: str | Path, *, dtype: str = "float32", cache_quant: C.CacheQuant | None = None
-                   ) -> tuple[Transformer, EngramHasher]:
-    """A run's latest parameters as a model (one device), with ``cache_quant`` switches if given."""
+def load_run_model(run_dir: str | Path, *, dtype: str = "float32", cache_quant: C.CacheQuant | None = None,
+                   mesh: jax.sharding.Mesh | None = None) -> tuple[Transformer, EngramHasher]:
+    """A run's latest parameters as a model, with ``cache_quant`` switches if given: on one device, or on
+    ``mesh`` restored straight into the shards the sharding table gives each variable."""
     cfg = run_model_config(run_dir).replace(dtype=dtype)
     if cache_quant is not None:
         cfg = cfg.replace(attention=dataclasses.replace(cfg.attention, cache_quant=cache_quant))
     model = abstract_model(cfg)
     graphdef, params, biases, rest = split_model(model)
-    one = SingleDeviceSharding(jax.devices()[0])
-    put = lambda t: with_shardings(t, [one] * len(jax.tree.leaves(t)))
+    if mesh is None:
+        one = SingleDeviceSharding(jax.devices()[0])
+        put = lambda t: with_shardings(t, [one] * len(jax.tree.leaves(t)))
+    else:
+        put = lambda t: with_shardings(t, named_shardings(mesh, state_partition_specs(t, mesh=mesh)))
     params, biases = restore_run_variables(run_dir, put(params), put(biases))
     model = nnx.merge(graphdef, params, biases, rest)
     return model, EngramHasher(cfg.engram, build_token_map(Path(run_dir) / "tokenizer.json"))

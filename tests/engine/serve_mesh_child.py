@@ -1,5 +1,6 @@
-"""The multi-device half of ``test_serve_mesh.py`` (run with 8 fake CPU devices): ``dsv41 score`` of one converted
-checkpoint with and without ``--mesh``, and how the mesh restore placed the experts; one JSON line."""
+"""The multi-device half of ``test_serve_mesh.py`` (run with 8 fake CPU devices): ``dsv41 score`` and ``dsv41
+eval-served`` of one converted checkpoint with and without ``--mesh``, and how the mesh restore placed the experts;
+one JSON line."""
 
 from __future__ import annotations
 
@@ -23,6 +24,22 @@ MODEL = {"preset": "tiny", "dtype": "float32", "n_layers": 2,
          "engram": {"layer_ids": [0], "num_embeddings": [434]}, "dspark": {"target_layer_ids": [0, 1, 1]}}
 
 
+def eval_served(root: Path, ckpt: Path) -> dict:
+    """``dsv41 eval-served`` on one device and on ``--mesh data=2,expert=4``: its table rows, each way."""
+    rng = np.random.default_rng(1)
+    words = [f"w{i}" for i in range(40)]
+    with open(root / "pairs.jsonl", "w") as f:
+        for _ in range(8):
+            pair = {"prompt": " ".join(rng.choice(words, 6)), "response": " ".join(rng.choice(words, 3))}
+            f.write(json.dumps(pair) + "\n")
+    rows = {}
+    for tag, mesh in (("one", []), ("eight", ["--mesh", "data=2,expert=4"])):
+        assert main(["eval-served", "--ckpt", str(ckpt), "--data", str(root / "pairs.jsonl"), "--boundaries",
+                     "cold,12", "--max-len", "48", "--out", str(root / f"{tag}.jsonl"), *mesh]) == 0
+        rows[tag] = [json.loads(line) for line in (root / f"{tag}.jsonl").read_text().splitlines()]
+    return rows
+
+
 def main_child(root: Path) -> dict:
     write_fake_hf(C.from_dict(MODEL), root / "hf", seed=2, shard_bytes=1 << 20)
     ckpt = convert(root / "hf", root / "ckpt", progress=False).out  # native
@@ -35,8 +52,8 @@ def main_child(root: Path) -> dict:
     loaded, mesh = load_for_serving("expert=8", ckpt=ckpt)
     w1 = loaded.model.layers[0].ffn.experts.w1.weight[...]
     err = np.abs(logits["eight"] - logits["one"]).max() / np.abs(logits["one"]).max()
-    return {"logits_rel_err": float(err), "argmax_same": bool((logits["eight"].argmax(-1) ==
-                                                               logits["one"].argmax(-1)).all()),
+    same = bool((logits["eight"].argmax(-1) == logits["one"].argmax(-1)).all())
+    return {"eval_served": eval_served(root, ckpt), "logits_rel_err": float(err), "argmax_same": same,
             "expert_shards": len({str(s.index) for s in w1.addressable_shards}), "mesh": dict(mesh.shape)}
 
 

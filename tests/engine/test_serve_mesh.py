@@ -1,6 +1,7 @@
-"""``--mesh`` on ``dsv41 score`` and ``dsv41 sample``: a converted checkpoint restored straight into its shards on
-8 fake CPU devices scores as on one device (a child, ``serve_mesh_child.py``); ``sample --mesh`` hands the mesh
-to the generator, whose sharded decoding ``test_sampling_mesh.py`` checks against the reference's tokens."""
+"""``--mesh`` on ``dsv41 score``, ``dsv41 eval-served`` and ``dsv41 sample``: a converted checkpoint restored
+straight into its shards on 8 fake CPU devices scores and evaluates as on one device (a child,
+``serve_mesh_child.py``); ``sample --mesh`` hands the mesh to the generator, whose sharded decoding
+``test_sampling_mesh.py`` checks against the reference's tokens."""
 
 from __future__ import annotations
 
@@ -13,11 +14,30 @@ from dsv41_jax.engine.mesh import parse_mesh
 from dsv41_jax.testing import run_on_fake_cpus
 
 
-def test_score_on_eight_devices_equals_one():
+@pytest.fixture(scope="module")
+def child() -> dict:
     (r,) = run_on_fake_cpus(Path(__file__).with_name("serve_mesh_child.py"))
+    return r
+
+
+def test_score_on_eight_devices_equals_one(child):
+    r = child
     assert r["mesh"] == {"data": 1, "fsdp": 1, "expert": 8, "tensor": 1}
     assert r["expert_shards"] == 8  # each device restored only its own expert
     assert r["argmax_same"] and r["logits_rel_err"] <= 1e-6, r  # fp32: only the summation order may differ
+
+
+def test_eval_served_on_eight_devices_equals_one(child):
+    # data=2 x expert=4: the engine's cache split over the batch, experts over 4 devices; every table entry as
+    # on one device (fp32; sums ordered differently only), every next-token agreement identical
+    one, eight = child["eval_served"]["one"], child["eval_served"]["eight"]
+    assert [(r["setting"], r["boundary"]) for r in one] == [("served", "cold"), ("served", "12")]
+    assert [(r["setting"], r["boundary"], r["tokens"], r["agree"]) for r in eight] == \
+        [(r["setting"], r["boundary"], r["tokens"], r["agree"]) for r in one]
+    assert one[1]["kl"] > one[0]["kl"] > 1e-3  # the served path is not the exact one; a hit moves it further
+    for a, b in zip(one, eight, strict=True):
+        for key in ("nll_exact", "nll_served", "dnll", "dnll_max", "kl"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a, b)
 
 
 def test_mesh_flag():

@@ -136,13 +136,15 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
 
 
 def acceptance_report(stats: dict) -> str:
-    """One line per sequence and the total: verify steps, drafts accepted of drafted, tokens per step."""
-    steps, drafted, accepted = (stats[k] for k in ("steps", "drafted", "accepted"))
+    """One line per sequence and the total: verify steps, drafts accepted of drafted, tokens per step, and the
+    verify chunks' mean width (rows per request)."""
+    steps, drafted, accepted, rows = (stats[k] for k in ("steps", "drafted", "accepted", "rows"))
     rows = [f"[{i}] {s} steps, {a}/{d} drafts accepted, {(a + s) / max(s, 1):.2f} tokens/step"
             for i, (s, d, a) in enumerate(zip(steps, drafted, accepted, strict=True))]
     total = (f"speculative: {steps.sum()} steps, {accepted.sum()}/{drafted.sum()} drafts accepted "
              f"({accepted.sum() / max(drafted.sum(), 1):.1%}), mean accepted length "
-             f"{(accepted.sum() + steps.sum()) / max(steps.sum(), 1):.2f} tokens/step")
+             f"{(accepted.sum() + steps.sum()) / max(steps.sum(), 1):.2f} tokens/step, verify chunks of "
+             f"{rows.sum() / max(steps.sum(), 1):.2f} rows")
     return "\n".join([*rows, total])
 
 

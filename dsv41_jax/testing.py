@@ -41,3 +41,28 @@ def run_on_fake_cpus(script, n_devices: int = 8, timeout: int = 900) -> list[dic
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert rows, out.stdout[-2000:]
     return rows
+
+
+def bigram_drafter(drafter, outputs: list[list[int]], skip: set[tuple[int, int]]):
+    """The drafter's state with its Markov head holding the bigrams of ``outputs`` (except ``skip``) and the base
+    head silenced (``mtp.{last}.norm`` = 0): it drafts what the reference decoded wherever that is a bigram."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    graphdef, state = nnx.split(drafter)
+    d = nnx.merge(graphdef, jax.tree.map(jnp.array, state))
+    last = d.mtp[-1]
+    v, r = last.markov_head.embed.weight.shape
+    emb = np.random.default_rng(2).normal(size=(v, r)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    head = np.zeros((v, r), np.float32)
+    for row in outputs:
+        for a, b in zip(row[:-1], row[1:], strict=True):
+            if (a, b) not in skip:
+                head[b] += 20 * emb[a]
+    last.norm.weight[...] = jnp.zeros_like(last.norm.weight[...])
+    last.markov_head.embed.weight[...] = jnp.asarray(emb)
+    last.markov_head.head.weight[...] = jnp.asarray(head)
+    return nnx.state(d)

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from dsv41_jax import cache as C
 from dsv41_jax.engine.prefill import check_ced_cut, default_ced_cut
-from dsv41_jax.engine.speculative import STATS, SpecState, speculative_step
+from dsv41_jax.engine.speculative import STATS, SpecState, speculative_step, verify_widths
 from dsv41_jax.engine.step import ChunkOptions, forward_chunk
 from dsv41_jax.engram_device import DeviceEngram, advance_history, device_history_init, device_row_ids
 from dsv41_jax.engram_hash import DEAD
@@ -48,6 +48,9 @@ class SamplingConfig:
     # the target's steps per second at n verified tokens in a batch (sps[n]): confidence-scheduled verify
     # lengths (engine.speculative.schedule_verify); empty = every request verifies `speculative` drafts
     sps: tuple[float, ...] = ()
+    # the verify chunk's compiled widths (rows per request; engine.speculative.verify_widths); empty: k + 1,
+    # and with `sps` the powers of two below it too
+    verify_widths: tuple[int, ...] = ()
 
 
 class RowSampling(NamedTuple):
@@ -157,6 +160,8 @@ class Generator:
             if mesh is not None:
                 raise SpeculativeError("speculative decoding runs on one device: the drafter is not placed on a mesh")
         dgraph, self.dstate = nnx.split(drafter) if sampling.speculative else (None, None)
+        # the steps-per-second table is an argument of the compiled block: another table of its length reuses it
+        self.sps = jnp.asarray(sampling.sps, jnp.float32) if sampling.sps else None
         # (options of non-final chunks, options of the final chunk)
         self._chunk_options = (ChunkOptions(), ChunkOptions())
         if sampling.prefill_mode == "ced":
@@ -186,9 +191,9 @@ class Generator:
             with expert_parallel(mesh):
                 return self._decode_block(nnx.merge(graphdef, state), s)
 
-        def speculative_block(state, dstate, s):
+        def speculative_block(state, dstate, sps, s):
             with expert_parallel(mesh):
-                return self._speculative_block(nnx.merge(graphdef, state), nnx.merge(dgraph, dstate), s)
+                return self._speculative_block(nnx.merge(graphdef, state), nnx.merge(dgraph, dstate), sps, s)
 
         self._prefill = jax.jit(prefill_chunk, static_argnums=12)
         self._decode = jax.jit(decode_block, donate_argnums=1)
@@ -221,16 +226,17 @@ class Generator:
                     jnp.zeros((b, n, k), jnp.int32), jnp.zeros((b, n, k), jnp.float32))
         return jax.lax.fori_loop(0, n, body, (s, out))
 
-    def _speculative_block(self, model: Transformer, drafter: DSpark, s: SpecState):
+    def _speculative_block(self, model: Transformer, drafter: DSpark, sps: Array | None, s: SpecState):
         cfg, k = self.sampling, self.sampling.speculative
         stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
+        widths = verify_widths(k, bool(cfg.sps), cfg.verify_widths)
 
         def body(i, carry):
             s, out = carry
             s, tokens = speculative_step(model, drafter, self.tables, s, k=k, temperature=cfg.temperature,
                                          filtered=lambda x: filtered_logits(x, cfg), stop=stop,
                                          max_new_tokens=cfg.max_new_tokens, max_seq_len=self.max_seq_len,
-                                         sps=cfg.sps)
+                                         sps=sps, widths=widths)
             return s, out.at[:, i].set(tokens)
 
         return jax.lax.fori_loop(0, cfg.block, body, (s, jnp.full((self.batch, cfg.block, k + 1), -1, jnp.int32)))
@@ -342,7 +348,7 @@ class Generator:
     def speculative_block(self, spec: SpecState) -> tuple[SpecState, np.ndarray]:
         """``block`` compiled draft-verify-commit steps: the state and the emitted tokens [B, block · (k+1)]
         (−1 = none); :attr:`stats` then holds each sequence's counts so far (``STATS``)."""
-        spec, out = self._speculative(self.state, self.dstate, spec)
+        spec, out = self._speculative(self.state, self.dstate, self.sps, spec)
         self.stats = dict(zip(STATS, np.asarray(spec.stats).T, strict=True))
         return spec, np.asarray(out).reshape(self.batch, -1)
 
@@ -453,6 +459,10 @@ def check_speculative(cfg, sampling: SamplingConfig, drafter: DSpark | None) -> 
         raise SpeculativeError(f"{k} drafts per step; the drafter drafts 1..{cfg.dspark.block_size}")
     if k + 1 > cfg.attention.window_size:
         raise SpeculativeError(f"a verify chunk of {k + 1} tokens exceeds the window ({cfg.attention.window_size})")
+    try:
+        verify_widths(k, bool(sampling.sps), sampling.verify_widths)
+    except ValueError as err:
+        raise SpeculativeError(str(err)) from None
     if sampling.prefill_mode == "ced" and min(cfg.dspark.target_layer_ids) < default_ced_cut(cfg):
         raise SpeculativeError(f"CED prefill: the DSpark target layers {cfg.dspark.target_layer_ids} must come "
                                f"after the cut ({default_ced_cut(cfg)}), where every row of the drafter's window "

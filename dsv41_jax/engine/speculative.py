@@ -1,8 +1,10 @@
 """Speculative decoding with the DSpark drafter (spec model §8.4): draft, verify in one chunk, roll back.
 
 One step per sequence: the drafter drafts ``y_1..y_K`` after the pending token ``a`` (already sampled, not yet
-in the cache); the target runs ``[a, y_1..y_k]`` (``k ≤ K`` per request: ragged verify lengths) as one chunk of
-the engine's forward and yields ``k + 1`` next-token distributions. Greedy requests accept the longest prefix of
+in the cache); the target runs ``[a, y_1..y_k]`` as one chunk of the engine's forward and yields ``k + 1``
+next-token distributions. ``k`` is fixed, or chosen each step by the confidence scheduler (:func:`schedule_verify`)
+and rounded up to one of a few compiled chunk widths (:func:`verify_widths`), so a shorter verify runs a
+narrower forward. Greedy requests accept the longest prefix of
 drafts equal to the target's argmax; sampling requests run speculative rejection sampling (accept ``y`` with
 probability ``min(1, p(y)/q(y))``, else resample from ``normalize(max(p − q, 0))``), so the output distribution is
 the target's. ``a`` and the accepted drafts are committed; the target's token after them (the correction, or
@@ -29,7 +31,8 @@ from dsv41_jax.engram_device import DeviceEngram, advance_history, device_row_id
 from dsv41_jax.model.dspark import DraftCache, DSpark
 from dsv41_jax.model.transformer import Transformer
 
-STATS = ("steps", "drafted", "accepted")  # per sequence: verify steps, drafts verified, drafts accepted
+# per sequence: verify steps, drafts verified, drafts accepted, verify-chunk rows computed (the compiled widths)
+STATS = ("steps", "drafted", "accepted", "rows")
 
 
 class SpecState(NamedTuple):
@@ -134,28 +137,79 @@ def schedule_verify(confidence: Float[Array, "B K"], live: Bool[Array, "B"], sps
     return chosen.sum(-1).astype(jnp.int32)
 
 
+def verify_widths(k: int, scheduled: bool, widths: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The compiled widths of the verify chunk (rows per request), ascending, the widest ``k + 1``: ``widths`` as
+    given, or by default ``k + 1`` alone for fixed-k and the powers of two below it too when verify lengths are
+    scheduled. A :class:`ValueError` names a width outside ``1 .. k + 1`` or a set without ``k + 1``."""
+    if not widths:
+        widths = tuple(2 ** i for i in range(k.bit_length()) if 2 ** i < k + 1) if scheduled else ()
+        return (*widths, k + 1)
+    out = tuple(sorted(set(widths)))
+    if out[0] < 1 or out[-1] != k + 1:
+        raise ValueError(f"verify widths {widths}: each must lie in 1..{k + 1} (k + 1 drafts' chunk) and {k + 1} "
+                         "must be one of them")
+    return out
+
+
+def _padded(out: tuple, rows: int) -> tuple:
+    """A verify forward's ``(logits, cache, features, carries)`` over ``w`` rows, its row axes padded to ``rows``
+    (padding: invalid rows, never read)."""
+    logits, cache, feats, carries = out
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+    w = feats.pos.shape[1]
+    pos = jnp.concatenate([feats.pos, feats.pos[:, :1] + jnp.arange(w, rows)[None]], axis=1)
+    feats = feats._replace(main_hidden=pad(feats.main_hidden), pos=pos, valid=pad(feats.valid))
+    return pad(logits), cache, feats, {layer: tuple(map(pad, c)) for layer, c in carries.items()}
+
+
+def verify_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"], rows: Array, n_new: Int[Array, "B"],
+                 widths: tuple[int, ...], bucket: Int[Array, ""]):
+    """The verify forward of ``tokens`` [B, k+1] at the compiled width ``widths[bucket]``: one program holds a
+    branch per width (``lax.switch``) and each step runs only its own, so a narrower verify costs a narrower
+    forward without recompiling. Rows past the width are padded (``n_new`` never reaches them)."""
+    options = ChunkOptions(all_logits=True, main_hidden=True, row_carries=True)
+    s = tokens.shape[1]
+
+    def branch(w: int):
+        return lambda: _padded(forward_chunk(model, cache, tokens[:, :w], rows[:, :w], n_new, options=options), s)
+
+    if len(widths) == 1:
+        return branch(widths[0])()
+    return jax.lax.switch(bucket, [branch(w) for w in widths])
+
+
 def speculative_step(model: Transformer, drafter: DSpark, tables: DeviceEngram, s: SpecState, *, k: int,
                      temperature: float, filtered, stop: Array, max_new_tokens: int, max_seq_len: int,
-                     sps: tuple[float, ...] = ()) -> tuple[SpecState, Int[Array, "B S"]]:
+                     sps: Float[Array, "N"] | None = None, widths: tuple[int, ...] = ()
+                     ) -> tuple[SpecState, Int[Array, "B S"]]:
     """One draft-verify-commit step for every live sequence; returns the state and the emitted tokens [B, k+1]
     (−1 where nothing was emitted). ``filtered(logits [N, V]) -> logits`` applies the request's temperature,
     top-k and top-p (the target distribution p). Each request verifies ``k`` drafts, or with a steps-per-second
-    table ``sps`` the number :func:`schedule_verify` chooses from the drafter's confidences."""
+    table ``sps`` the number :func:`schedule_verify` chooses from the drafter's confidences.
+
+    The verify chunk runs at the narrowest of the compiled ``widths`` (:func:`verify_widths`) that holds the
+    longest chosen verify; every live request then verifies ``width − 1`` drafts, since the rows of a
+    rectangular chunk are computed for every request anyway (more verified drafts never lower the accepted
+    length, and the output distribution does not depend on how many are verified)."""
     b = s.token.shape[0]
     live = ~s.done
+    widths = widths or (k + 1,)
     keys = jax.vmap(jax.random.fold_in, (0, None))(s.keys, s.step)
     k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
     draft = drafter.propose(model, s.draft, s.token, temperature=temperature, keys=k_draft)
     drafts = draft.ids[:, 1: k + 1]
     n_verify = jnp.full((b,), k, jnp.int32)
-    if sps:
-        n_verify = schedule_verify(draft.confidence[:, :k], live, jnp.asarray(sps, jnp.float32))
+    if sps is not None:
+        n_verify = schedule_verify(draft.confidence[:, :k], live, sps)
+    need = jnp.max(jnp.where(live, n_verify, 0)) + 1
+    bucket = jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)  # the first width ≥ need
+    width = jnp.asarray(widths, jnp.int32)[bucket]
+    n_verify = jnp.full((b,), width - 1, jnp.int32)
     cols = jnp.arange(k + 1)[None]
     tokens = jnp.where(cols <= n_verify[:, None], jnp.concatenate([s.token[:, None], drafts], axis=1), 0)
     n_new = jnp.where(live, n_verify + 1, 0)
     rows, _, _ = device_row_ids(tables, s.history, s.n_seen, tokens)
-    options = ChunkOptions(all_logits=True, main_hidden=True, row_carries=True)
-    logits, fed, feats, carries = forward_chunk(model, s.cache, tokens, rows, n_new, options=options)
+    logits, fed, feats, carries = verify_chunk(model, s.cache, tokens, rows, n_new, widths, bucket)
     if temperature == 0:
         accepted, nxt = accept_greedy(logits, drafts, n_verify)
     else:
@@ -172,14 +226,14 @@ def speculative_step(model: Transformer, drafter: DSpark, tables: DeviceEngram, 
     n_emit = jnp.where(live, n_emit, 0)
     emitted = s.emitted + n_emit
     done = s.done | is_stop.any(-1) | (emitted >= max_new_tokens) | (s.cache.lengths + n_emit >= max_seq_len)
+    # rows past the width were never written: restoring their slots rewrites the bytes already there
     cache = rollback(model.cfg, s.cache, fed, k + 1, n_emit, carries)
     kept = cols < n_emit[:, None]
     dcache = drafter.observe(s.draft, feats.main_hidden, feats.pos, feats.valid & kept)
     history, n_seen = advance_history(tables, s.history, s.n_seen, tokens, n_emit)
-    stats = s.stats + jnp.stack([live, n_verify * live, accepted * live], axis=1).astype(jnp.int32)
+    stats = s.stats + jnp.stack([live, n_verify * live, accepted * live, width * live], axis=1).astype(jnp.int32)
     out = jnp.where(kept, tokens, -1)
     return SpecState(cache, dcache, nxt, history, n_seen, done, s.keys, s.step + 1, emitted, stats), out
-
 
 
 def profile_sps(model: Transformer, tables: DeviceEngram, batch: int, max_drafts: int, *, context: int = 256,

@@ -5,7 +5,9 @@ One generator on the 8-layer tiny model (random weights, every layer role) with 
 prompts serves every engine test: its plain decode block is the reference, its speculative block runs with
 two drafters of the same shapes (the random one, whose drafts are nearly always rejected, and one whose Markov
 head holds the bigrams of the reference output, so whole blocks are accepted); the drafter's weights are an
-argument of the compiled block, so both share one compilation.
+argument of the compiled block, so both share one compilation. Verify lengths are scheduled from a
+steps-per-second table (also an argument) over two compiled chunk widths, 2 and K + 1: a flat table verifies
+every draft (the widest chunk, as fixed K), a steep one a single draft per request (the narrow chunk).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from dsv41_jax.engram_device import device_engram
 from dsv41_jax.engram_hash import EngramHasher
 from dsv41_jax.model.dspark import DSpark
 from dsv41_jax.model.transformer import Transformer
+from dsv41_jax.testing import bigram_drafter
 
 K = 4  # drafts verified per step: a verify chunk of 5 ≤ window 8
 NEW = 12
+FLAT = (1.0,) * (3 * (K + 1) + 1)  # steps per second at n verified tokens: flat, so every draft is verified
 
 
 @pytest.fixture(scope="module")
@@ -41,32 +45,12 @@ def spec(tiny8_cfg):
     drafter = DSpark(cfg, rngs=nnx.Rngs(1))
     tables = device_engram(EngramHasher(cfg.engram, np.arange(cfg.vocab_size) % cfg.engram.compressed_vocab_size))
     sampling = SamplingConfig(temperature=0, max_new_tokens=NEW, stop_tokens=(), block=1, prefill_chunk=16,
-                              prefill_mode="ced", speculative=K)
+                              prefill_mode="ced", speculative=K, sps=FLAT, verify_widths=(2, K + 1))
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(4, 500, n)) for n in (16, 7, 12)]  # ragged; CED narrows the 16-token prompt
     gen = Generator(model, tables, len(prompts), 64, sampling, drafter=drafter)
     plain = gen.generate(prompts, speculative=False)
     return dict(gen=gen, drafter=drafter, prompts=prompts, plain=plain, cfg=cfg)
-
-
-def bigram_drafter(drafter: DSpark, outputs: list[list[int]], skip: set[tuple[int, int]]) -> nnx.State:
-    """The drafter's state with its Markov head holding the bigrams of ``outputs`` (except ``skip``) and the base
-    head silenced (``mtp.{last}.norm`` = 0): it drafts what the reference decoded wherever that is a bigram."""
-    graphdef, state = nnx.split(drafter)
-    d = nnx.merge(graphdef, jax.tree.map(jnp.array, state))
-    last = d.mtp[-1]
-    v, r = last.markov_head.embed.weight.shape
-    emb = np.random.default_rng(2).normal(size=(v, r)).astype(np.float32)
-    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
-    head = np.zeros((v, r), np.float32)
-    for row in outputs:
-        for a, b in zip(row[:-1], row[1:], strict=True):
-            if (a, b) not in skip:
-                head[b] += 20 * emb[a]
-    last.norm.weight[...] = jnp.zeros_like(last.norm.weight[...])
-    last.markov_head.embed.weight[...] = jnp.asarray(emb)
-    last.markov_head.head.weight[...] = jnp.asarray(head)
-    return nnx.state(d)
 
 
 def emitted_per_step(gen: Generator, prompts, n_steps: int) -> tuple[np.ndarray, list]:
@@ -89,6 +73,7 @@ def test_greedy_speculative_equals_plain_decoding(spec):
     try:
         assert gen.generate(spec["prompts"]) == plain
         assert (gen.stats["steps"] >= NEW // 2).all()  # mostly rejected: about one token per step
+        np.testing.assert_array_equal(gen.stats["rows"], (K + 1) * gen.stats["steps"])  # the widest chunk
         gen.dstate = bigram_drafter(spec["drafter"], plain, skip={(plain[0][2], plain[0][3])})
         assert gen.generate(spec["prompts"]) == plain
         per_step, _ = emitted_per_step(gen, spec["prompts"], 3)
@@ -97,6 +82,25 @@ def test_greedy_speculative_equals_plain_decoding(spec):
         assert gen.stats["accepted"].sum() > 0
     finally:
         gen.dstate = random_state
+
+
+def test_scheduled_narrow_verify_chunks_keep_greedy_output(spec):
+    """With steps per second halving per verified token, the scheduler verifies no draft beyond the pending
+    token (a token gains at most 1 expected token, never the batch's whole rate); the step then runs the
+    compiled width-2 chunk and every request verifies one draft in it. Bigram drafts (one left out) are accepted
+    and rejected there, and the output is still plain greedy decoding's, token for token."""
+    gen, plain = spec["gen"], spec["plain"]
+    random_state = gen.dstate
+    try:
+        gen.dstate = bigram_drafter(spec["drafter"], plain, skip={(plain[0][2], plain[0][3])})
+        gen.sps = jnp.asarray(0.5 ** np.arange(len(FLAT)), jnp.float32)
+        assert gen.generate(spec["prompts"]) == plain
+        st = gen.stats
+        np.testing.assert_array_equal(st["rows"], 2 * st["steps"])  # every step at width 2 ...
+        np.testing.assert_array_equal(st["drafted"], st["steps"])  # ... verifying one draft
+        assert 0 < st["accepted"].sum() < st["drafted"].sum(), st
+    finally:
+        gen.dstate, gen.sps = random_state, jnp.asarray(FLAT, jnp.float32)
 
 
 def test_cache_after_a_rejection_equals_plain_decoding(spec):
@@ -227,6 +231,9 @@ def test_bad_speculative_settings(spec):
         Generator(model, gen.tables, 3, 64, sampling)
     with pytest.raises(ValueError, match="drafts per step"):
         Generator(model, gen.tables, 3, 64, dataclasses.replace(sampling, speculative=6), drafter=spec["drafter"])
+    with pytest.raises(ValueError, match=r"verify widths \(0, 3\)"):  # k + 1 = 3
+        Generator(model, gen.tables, 3, 64, dataclasses.replace(sampling, verify_widths=(0, 3)),
+                  drafter=spec["drafter"])
 
 
 def test_confidence_schedule_is_the_best_prefix_choice():

@@ -157,9 +157,10 @@ class Generator:
         self.state = state
         if sampling.speculative:
             check_speculative(model.cfg, sampling, drafter)
-            if mesh is not None:
-                raise SpeculativeError("speculative decoding runs on one device: the drafter is not placed on a mesh")
         dgraph, self.dstate = nnx.split(drafter) if sampling.speculative else (None, None)
+        if mesh is not None and self.dstate is not None:  # the drafter by the same table (its experts too)
+            self.dstate = jax.device_put(self.dstate, named_shardings(mesh, state_partition_specs(self.dstate,
+                                                                                                  mesh=mesh)))
         # the steps-per-second table is an argument of the compiled block: another table of its length reuses it
         self.sps = jnp.asarray(sampling.sps, jnp.float32) if sampling.sps else None
         # (options of non-final chunks, options of the final chunk)
@@ -249,6 +250,10 @@ class Generator:
                                                                                       batch_axis=SERVE_BATCH)))
         history, n_seen = device_history_init(self.tables, self.batch)
         dcache = init_draft_cache(self.cfg, self.batch) if self.dstate is not None else None
+        if self.mesh is not None and dcache is not None:  # the drafter's rings split as the cache's are
+            split = self.batch % (self.mesh.shape["data"] * self.mesh.shape["expert"]) == 0
+            spec = jax.sharding.PartitionSpec(SERVE_BATCH if split else None)
+            dcache = jax.device_put(dcache, jax.sharding.NamedSharding(self.mesh, spec))
         return DecodeState(cache, jnp.zeros((self.batch, self.cfg.vocab_size), jnp.float32), history, n_seen,
                            jnp.ones((self.batch,), bool), jax.random.split(jax.random.key(0), self.batch),
                            jnp.zeros((self.batch,), jnp.int32), RowSampling.of(self.sampling, self.batch), dcache)

@@ -66,7 +66,8 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
     ``[row] ids a,b,c``. Rows stop at the model's EOS or after ``max_new_tokens``. Returns the generated ids.
     ``mesh`` (``--mesh``): the weights sharded by the sharding table, sequences split over data × expert.
     ``speculative`` (``--speculative dspark[:K]``): speculative decoding with the checkpoint's DSpark drafter,
-    ``K`` drafts per step (0: its block size); the acceptance counts are logged at the end. ``drafter``: a
+    ``K`` drafts per step (0: its block size), or with ``run`` the drafter its post-training kept in step; the
+    acceptance counts are logged at the end. ``drafter``: a
     ``drafter.npz`` that DSpark training wrote (``dsv41 train`` of a ``dspark_train`` config) instead. ``sps``:
     the steps-per-second table of ``dsv41 profile-sps``: confidence-scheduled verify lengths.
     ``images`` (``--image``, paths or data: URLs): one per ``<image>`` of the prompts, in order; each becomes
@@ -96,8 +97,12 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
             except (OSError, ValueError) as err:
                 raise ConfigError(f"--drafter {drafter}: {err}") from None
         elif run is not None:
-            raise ConfigError("--speculative: a training run holds no DSpark drafter; give --drafter DRAFTER.npz "
-                              "(DSpark training's output) or sample from --ckpt / --hf-dir")
+            from dsv41_jax.posttrain.drafter import run_drafter
+
+            draft_model = run_drafter(run, cfg)  # a post-training run's drafter kept in step, if it has one
+            if draft_model is None:
+                raise ConfigError("--speculative: this training run holds no DSpark drafter; give --drafter "
+                                  "DRAFTER.npz (DSpark training's output) or sample from --ckpt / --hf-dir")
         else:
             draft_model = load_drafter(cfg, ckpt=ckpt, hf_dir=hf_dir)
         speculative = speculative or cfg.dspark.block_size

@@ -46,11 +46,29 @@ class DistillConfig:
 
 
 @dataclass(frozen=True)
+class DrafterConfig:
+    """The DSpark drafter kept in step with the fine-tuned backbone (:mod:`.drafter`, spec model §8.5): one
+    update of its DSpark loss per step against the step's new weights, no gradient into the backbone."""
+
+    # on when a drafter is found: ``init_from`` below, else the posttrain.init_from checkpoint's own (the mtp.*
+    # of a converted checkpoint, or the drafter a post-training run kept in step)
+    train: bool = True
+    init_from: str = ""  # a drafter.npz (DSpark training's output, `dsv41 train` of a dspark_train config)
+    lr: float = 1.0e-3  # peak learning rate; the run's own schedule (optim.warmup_steps, ...) scaled to it
+    anchors: int = 16  # anchor positions per row (dsv41_jax.train.dspark)
+    ce_weight: float = 1.0
+    tv_weight: float = 1.0
+    conf_weight: float = 0.5
+    position_decay: float = 0.8  # slot i weighs position_decay^i (normalised)
+
+
+@dataclass(frozen=True)
 class PosttrainConfig:
     init_from: str = ""  # a `dsv41 train` run directory or a `dsv41 convert` output (Orbax); required
     sft: SFTConfig = field(default_factory=SFTConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
     # loss = (1 − lm_weight)·(response-token CE of the SFT rows) + lm_weight·(CE of the LM corpus rows)
     lm_weight: float = 0.0
 
@@ -83,3 +101,10 @@ def validate(cfg: PosttrainConfig, source: str | None = None) -> None:
               "posttrain.lm_weight: 1.0 for the LM objective alone)", source)
     if cfg.sft.max_pairs < 1:
         _fail("key 'posttrain.sft.max_pairs' must be ≥ 1", source)
+    d = cfg.drafter
+    if d.anchors < 1:
+        _fail(f"key 'posttrain.drafter.anchors' must be ≥ 1, got {d.anchors}", source)
+    if d.lr <= 0.0:
+        _fail(f"key 'posttrain.drafter.lr' must be > 0, got {d.lr}", source)
+    if not 0.0 < d.position_decay <= 1.0:
+        _fail(f"key 'posttrain.drafter.position_decay' must lie in (0, 1], got {d.position_decay}", source)

@@ -22,8 +22,19 @@ from dsv41_jax import config as C
 from dsv41_jax.config import ConfigError
 from dsv41_jax.data.tokenizer import engram_consistent
 from dsv41_jax.engram_hash import EngramHasher, build_token_map
+from dsv41_jax.model.dspark import abstract_drafter
 from dsv41_jax.model.transformer import Transformer, abstract_model
 from dsv41_jax.optim import optimizer
+from dsv41_jax.posttrain.drafter import (
+    DrafterState,
+    PosttrainState,
+    WithDrafter,
+    abstract_drafter_state,
+    drafter_optimizer,
+    drafter_shardings,
+    initial_drafter,
+    stored_drafter,
+)
 from dsv41_jax.posttrain.sft import PosttrainData, read_pairs, sft_dataset, sft_rows
 from dsv41_jax.posttrain.step import make_posttrain_step
 from dsv41_jax.sharding import named_shardings, state_partition_specs
@@ -138,7 +149,8 @@ def setup_posttrain(cfg, model_cfg: C.ModelConfig, mesh, tok_path: Path, token_m
     ``init_from`` and a fresh optimizer, or, when the run directory has a checkpoint of its own (which the
     loop then restores), only the abstract shapes and shardings."""
     pcfg, d = cfg.posttrain, cfg.data
-    resuming = latest_step(cfg.checkpoint.dir) is not None
+    last = latest_step(cfg.checkpoint.dir)
+    resuming = last is not None
     tx = optimizer(model_cfg, cfg.optim)
     model = abstract_model(model_cfg)
     shardings, (graphdef, rest) = state_shardings(model, tx, mesh)
@@ -146,14 +158,27 @@ def setup_posttrain(cfg, model_cfg: C.ModelConfig, mesh, tok_path: Path, token_m
         _, params, biases, _ = split_model(model)
         abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, biases, jax.eval_shape(tx.init, params))
         state = with_shardings(abstract, shardings)
+        kept = pcfg.drafter.train and stored_drafter(Path(cfg.checkpoint.dir) / "checkpoints" / str(last))
+        drafter = abstract_drafter(model_cfg) if kept else None
     else:
         params, biases = initial_variables(pcfg.init_from, model_cfg, shardings)
         state = jax.device_put(TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params)), shardings)
+        drafter = initial_drafter(pcfg, model_cfg, log)
     log(f"fine-tuning from {pcfg.init_from}; fake-quant {dataclasses.asdict(model_cfg.attention.cache_quant)}; "
         f"replay {dataclasses.asdict(pcfg.replay)}; lm_weight {pcfg.lm_weight}")
     step = make_posttrain_step(graphdef, rest, model_cfg, cfg.optim, tx, pcfg, cfg.seed, cfg.remat, mesh)
     step = jax.jit(step, in_shardings=(shardings, batch_sharding(mesh)), out_shardings=(shardings, None),
                    donate_argnums=0)
+    if drafter is not None:  # the drafter kept in step (dsv41_jax.posttrain.drafter)
+        dtx = drafter_optimizer(model_cfg, cfg.optim, pcfg.drafter)
+        placed = drafter_shardings(drafter, dtx, mesh)
+        if resuming:
+            dstate = with_shardings(abstract_drafter_state(model_cfg, cfg.optim, pcfg.drafter), placed)
+        else:
+            dparams = nnx.split(drafter, nnx.Param, ...)[1]
+            dstate = jax.device_put(DrafterState(dparams, dtx.init(dparams)), placed)
+        state = PosttrainState(*state, dstate)
+        step = WithDrafter(step, drafter, graphdef, rest, dtx, pcfg.drafter, cfg.seed, mesh)
     pi, pc = jax.process_index(), jax.process_count()
     sft_ds = lm_ds = None
     if pcfg.lm_weight < 1.0:

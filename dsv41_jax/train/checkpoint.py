@@ -303,8 +303,9 @@ def model_from_run(run_dir: str | Path, dtype: str = "float32", log: Callable[[s
 
     The model config is the one saved with that step (its ``model`` section) with ``engram.compressed_vocab_size``
     taken from the run's ``tokenizer.json``, as training did; ``dtype`` sets the activation precision only.
-    The parameters and router biases come from the step's TrainState (the optimizer state is read and
-    dropped). Damaged steps are skipped with a message and left in place. Nothing usable is a ConfigError.
+    The parameters and router biases come from the step's TrainState (the optimizer state, and the drafter a
+    post-training run kept in step, are read and dropped). Damaged steps are skipped with a message and left in
+    place. Nothing usable is a ConfigError.
     """
     from flax import nnx
 
@@ -314,6 +315,7 @@ def model_from_run(run_dir: str | Path, dtype: str = "float32", log: Callable[[s
     from dsv41_jax.model.transformer import abstract_model
     from dsv41_jax.optim import from_dict as optim_from_dict
     from dsv41_jax.optim import optimizer
+    from dsv41_jax.posttrain.drafter import PosttrainState, abstract_drafter_state, stored_drafter
     from dsv41_jax.train.step import TrainState, split_model
 
     run = Path(run_dir)
@@ -345,6 +347,11 @@ def model_from_run(run_dir: str | Path, dtype: str = "float32", log: Callable[[s
             graphdef, params, biases, rest = split_model(model)
             opt_state = jax.eval_shape(tx.init, params)
             like = TrainState(jax.ShapeDtypeStruct((), np.int32), params, biases, opt_state)
+            if stored_drafter(ck.dir / str(step)):  # a post-training run that kept its drafter in step
+                from dsv41_jax.posttrain.config import from_dict as posttrain_from_dict
+
+                like = PosttrainState(*like, abstract_drafter_state(cfg, ocfg, posttrain_from_dict(
+                    saved["posttrain"], source).drafter))
             like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like)
             try:
                 state, _ = ck.restore(step, like)

@@ -30,6 +30,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,17 @@ class DSparkTrainConfig:
     eval_prompt_tokens: int = 64
     eval_new_tokens: int = 48
     eval_drafts: int = 0  # drafts per step (0: the block size)
+
+
+class LossSettings(Protocol):
+    """What :func:`dspark_loss` reads of a config (:class:`DSparkTrainConfig`, or post-training's
+    ``posttrain.drafter`` section)."""
+
+    anchors: int
+    ce_weight: float
+    tv_weight: float
+    conf_weight: float
+    position_decay: float
 
 
 def is_dspark_config(path: str | Path) -> bool:
@@ -153,7 +165,7 @@ def anchored_drafts(drafter: DSpark, target: Transformer, batch: dict, main_hidd
 
 
 def dspark_loss(drafter: DSpark, target: Transformer, batch: dict, target_logits: jax.Array,
-                main_hidden: jax.Array, key: jax.Array, cfg: DSparkTrainConfig) -> tuple[jax.Array, dict]:
+                main_hidden: jax.Array, key: jax.Array, cfg: LossSettings) -> tuple[jax.Array, dict]:
     """The anchored training loss of one batch (``tokens``, ``segment_ids``, ``positions`` [B, S]) given the
     frozen target's logits [B, S, V] and features [B, S, F]; returns ``(loss, metrics)``."""
     k = drafter.cfg.dspark.block_size
@@ -181,14 +193,17 @@ def dspark_loss(drafter: DSpark, target: Transformer, batch: dict, target_logits
     return loss, metrics
 
 
-def make_step(drafter: DSpark, target: Transformer, tx: optax.GradientTransformation, cfg: DSparkTrainConfig):
-    """The jitted training step ``(params, opt_state, batch, key) -> (params, opt_state, metrics)``."""
-    dgraph, _, drest = nnx.split(drafter, nnx.Param, ...)
-    tgraph, tstate = nnx.split(target)
+def drafter_update(drafter: DSpark, target_graph, tx: optax.GradientTransformation, cfg: LossSettings):
+    """The pure step ``(params, opt_state, target_state, batch, key) -> (params, opt_state, metrics)``.
 
-    @jax.jit
-    def step(params, opt_state, batch, key):
-        t = nnx.merge(tgraph, tstate)
+    ``target_state``: the target's states as a tuple (``nnx.merge(target_graph, *target_state)``), an input so
+    that post-training hands in its current weights; they are frozen (only the drafter's ``params`` are
+    differentiated, the target's logits and features are constants). A non-finite loss or gradient leaves
+    the drafter and its optimizer as they were (metric ``skipped`` 1.0)."""
+    dgraph, _, drest = nnx.split(drafter, nnx.Param, ...)
+
+    def step(params, opt_state, target_state, batch, key):
+        t = nnx.merge(target_graph, *target_state)
         logits, aux = t(batch["tokens"], batch.get("engram_rows"), segment_ids=batch["segment_ids"],
                         positions=batch["positions"], return_aux=True)
         logits, main_hidden = jax.lax.stop_gradient((logits, aux.main_hidden))  # the target is frozen
@@ -196,12 +211,23 @@ def make_step(drafter: DSpark, target: Transformer, tx: optax.GradientTransforma
         def loss_fn(params):
             return dspark_loss(nnx.merge(dgraph, params, drest), t, batch, logits, main_hidden, key, cfg)
 
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        metrics["grad_norm"] = optax.global_norm(grads)
-        return optax.apply_updates(params, updates), opt_state, metrics
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
+        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), (optax.apply_updates(params, updates), new_opt),
+                           (params, opt_state))
+        return *new, metrics | {"skipped": 1.0 - ok.astype(jnp.float32)}
 
     return step
+
+
+def make_step(drafter: DSpark, target: Transformer, tx: optax.GradientTransformation, cfg: DSparkTrainConfig):
+    """The jitted training step ``(params, opt_state, batch, key) -> (params, opt_state, metrics)`` against the
+    frozen ``target``."""
+    tgraph, tstate = nnx.split(target)
+    update = jax.jit(drafter_update(drafter, tgraph, tx, cfg))
+    return lambda params, opt_state, batch, key: update(params, opt_state, (tstate,), batch, key)
 
 
 def train_dspark(config: str | Path, overrides: list[str] | tuple[str, ...] = (), *,

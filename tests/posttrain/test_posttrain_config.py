@@ -20,6 +20,7 @@ def test_qat_tiny_parses():
     assert (p.replay.prob, p.replay.ced, p.replay.cut, p.lm_weight) == (0.25, True, None, 0.25)
     assert p.sft.assistant_prefix == "\n\nAssistant:"
     assert p.distill.weight == 10.0
+    assert p.drafter.train and p.drafter.init_from == ""  # the drafter is kept in step where init_from has one
     assert cfg.model.attention.cache_quant == CacheQuant(main_kv=True, index=False, swa=True)
     assert load(QAT.parent / "pretrain_tiny.yaml").posttrain is None
 
@@ -36,6 +37,8 @@ def test_qat_tiny_parses():
     ({"init_from": "x", "sft": {"paths": ["a"]}, "distill": {"weight": -1.0}}, r"posttrain\.distill\.weight"),
     ({"init_from": "x", "sft": {"paths": ["a"]}, "distill": {"temperature": 2.0}}, r"posttrain\.distill\.temperature"),
     ({"init_from": "x", "lm_weight": 1.0, "distill": {"weight": 1.0}}, r"posttrain\.distill\.weight"),
+    ({"init_from": "x", "lm_weight": 1.0, "drafter": {"anchors": 0}}, r"posttrain\.drafter\.anchors"),
+    ({"init_from": "x", "lm_weight": 1.0, "drafter": {"position_decay": 1.5}}, r"posttrain\.drafter\.position_decay"),
 ])
 def test_rejects_with_key_and_file(tmp_path, posttrain, match):
     path = tmp_path / "run.yaml"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -53,3 +54,22 @@ def enable(directory: str | os.PathLike | None = None, *, min_compile_secs: floa
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_secs))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+class CompileNotice:
+    """The "compiling …" line before a long first call and its duration after (on stderr, so that a command's
+    stdout holds only its output): ``note = CompileNotice("the forward"); ...; note.done()``. The time includes
+    the first run; with a warm persistent cache it is mostly that run."""
+
+    def __init__(self, what: str, stream=None):
+        self.what, self.stream = what, stream or sys.stderr
+        self.t0 = time.monotonic()
+        self.pending = True
+        print(f"compiling {what} …", file=self.stream, flush=True)
+
+    def done(self) -> None:
+        """Report the duration once (later calls do nothing)."""
+        if self.pending:
+            self.pending = False
+            print(f"{self.what}: compiled and ran in {time.monotonic() - self.t0:.1f} s", file=self.stream,
+                  flush=True)

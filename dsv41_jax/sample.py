@@ -9,12 +9,14 @@ exact or CED prefill into the packed cache, then compiled decode blocks with Eng
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from dsv41_jax.checkpoint.load import load_drafter
+from dsv41_jax.compile_cache import CompileNotice
 from dsv41_jax.config import ConfigError
 from dsv41_jax.engine.mesh import load_for_serving
 from dsv41_jax.engine.sampling import Generator, SamplingConfig, SpeculativeError, validate_prompts
@@ -23,6 +25,11 @@ from dsv41_jax.engram_device import device_engram
 
 def _print(line: str) -> None:
     print(line, flush=True)  # each block as it finishes, also through a pipe
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def parse_ids(text: str) -> list[int]:
@@ -59,11 +66,13 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
            show_ids: bool = False, mesh: str | None = None, speculative: int | None = None,
            drafter: str | os.PathLike | None = None, sps: str | os.PathLike | None = None,
            images: Sequence[str] | None = None,
-           log: Callable[[str], None] = _print) -> list[list[int]]:
+           log: Callable[[str], None] = _print, write: Callable[[str], None] | None = None) -> list[list[int]]:
     """Sample continuations of text ``prompts`` (or token-id prompts ``ids``) from one checkpoint source.
 
-    Each block's new text is logged as ``[row] text``; with ``show_ids`` each row's generated ids follow as
-    ``[row] ids a,b,c``. Rows stop at the model's EOS or after ``max_new_tokens``. Returns the generated ids.
+    One text prompt streams on one line: the prompt, then each block's new text as it is decoded (``write``,
+    stdout by default). Several rows log each block's new text as ``[row] text``. With ``show_ids`` each row's
+    generated ids follow as ``[row] ids a,b,c``. The compile of the first blocks is announced on stderr with its
+    duration. Rows stop at the model's EOS or after ``max_new_tokens``. Returns the generated ids.
     ``mesh`` (``--mesh``): the weights sharded by the sharding table, sequences split over data × expert.
     ``speculative`` (``--speculative dspark[:K]``): speculative decoding with the checkpoint's DSpark drafter,
     ``K`` drafts per step (0: its block size), or with ``run`` the drafter its post-training kept in step; the
@@ -125,13 +134,30 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
         flag = "--speculative" if isinstance(err, SpeculativeError) else "--ids" if ids else "--prompt"
         raise ConfigError(f"{flag}: {err}") from None
 
-    def show(block):  # [B, block] new ids; -1 once a row has stopped
-        for i, row in enumerate(block):
-            text = tok.decode([int(t) for t in row if t >= 0], skip_special_tokens=False)
-            if text:
-                log(f"[{i}] {text}")
+    write = write or _write
+    stream = len(batch) == 1 and not ids and not images  # one text prompt: its text, then the continuation
+    new: list[list[int]] = [[] for _ in batch]
+    shown = [""] * len(batch)
+    note = CompileNotice(f"prefill and decode ({len(batch)} row{'s' * (len(batch) > 1)}, {max_new_tokens} new tokens)")
 
+    def show(block):  # [B, block] new ids; -1 once a row has stopped
+        note.done()
+        for i, row in enumerate(block):
+            new[i] += [int(t) for t in row if t >= 0]
+            text = tok.decode(new[i], skip_special_tokens=False)  # whole rows: characters split across blocks
+            if text.endswith("\ufffd") or not text.startswith(shown[i]):
+                continue  # a character's bytes are not all there yet
+            delta, shown[i] = text[len(shown[i]):], text
+            if stream:
+                write(delta)
+            elif delta.strip():
+                log(f"[{i}] {delta}")
+
+    if stream:
+        write(prompts[0])
     outs = gen.generate(batch, seed=seed, on_block=show, images=vision)
+    if stream:
+        write("\n")
     if show_ids:
         for i, row in enumerate(outs):
             log(f"[{i}] ids {','.join(map(str, row))}")

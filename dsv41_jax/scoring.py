@@ -21,6 +21,7 @@ from flax import nnx
 
 from dsv41_jax import cache as C
 from dsv41_jax.checkpoint.load import load_drafter
+from dsv41_jax.compile_cache import CompileNotice
 from dsv41_jax.engine.mesh import load_for_serving
 from dsv41_jax.engine.step import ChunkOptions, forward_chunk
 from dsv41_jax.engram_hash import EngramHasher
@@ -298,7 +299,9 @@ def score(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.PathLike | 
             raise ScoreInputError(f"{ids}: expected integer token ids [B, S], got {tokens.dtype} {tokens.shape}")
         if tokens.min() < 0 or tokens.max() >= model.cfg.vocab_size:
             raise ScoreInputError(f"{ids}: token ids must lie in [0, {model.cfg.vocab_size})")
+        note = CompileNotice(f"the forward ({tokens.shape[0]} x {tokens.shape[1]} tokens)")
         logits = prefill_outputs(model, hasher, tokens, "ids", mesh=on)["ids_prefill_logits"]
+        note.done()
         np.save(out or "logits.npy", logits)
         print(f"wrote logits {logits.shape} to {out or 'logits.npy'}")
         return {"logits": logits}
@@ -306,6 +309,7 @@ def score(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.PathLike | 
     drafter = None
     if any(k.endswith(DECODE_ARRAYS[0]) for k in arrays.files) and model.cfg.dspark.n_layers:
         drafter = load_drafter(model.cfg, ckpt=ckpt, hf_dir=hf_dir)
+    note = CompileNotice(f"the forwards of {inputs}")
     try:
         if all(k in arrays.files for k in IMAGE_INPUT_KEYS):
             from dsv41_jax.checkpoint.load import vision_encoder
@@ -317,6 +321,7 @@ def score(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.PathLike | 
             ours = score_inputs(model, hasher, arrays, mesh=on, drafter=drafter)
     except ValueError as err:
         raise ScoreInputError(f"{inputs}: {err}") from None
+    note.done()
     save_and_report(ours, out, reference, as_json)
     return ours
 

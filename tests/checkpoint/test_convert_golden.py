@@ -56,7 +56,8 @@ def test_every_discrete_decision_agrees(scored, golden_dir):
     assert all(v == 1.0 for v in discrete.values()), discrete
 
 
-def test_score_ids_writes_the_reference_logits_after_a_bf16_round_trip(scored, golden_bf16, golden_dir, tmp_path):
+def test_score_ids_writes_the_reference_logits_after_a_bf16_round_trip(scored, golden_bf16, golden_dir, tmp_path,
+                                                                       capsys):
     """`dsv41 score --checkpoint DIR --ids IDS.npy --out LOGITS.npy --precision fp32`: float32 [B, S, V]
     teacher-forced logits, within the recipe of the reference's. DIR went the long way: release -> convert
     (native) -> export --weights bf16 -> convert --weights fp32, and its logits equal those of the release's
@@ -70,6 +71,9 @@ def test_score_ids_writes_the_reference_logits_after_a_bf16_round_trip(scored, g
     assert main(["convert", "--hf-dir", str(golden_bf16), "--out", str(ckpt), "--weights", "fp32", "--quiet"]) == 0
     assert main(["score", "--checkpoint", str(ckpt), "--ids", str(tmp_path / "ids.npy"), "--out",
                  str(tmp_path / "logits.npy"), "--precision", "fp32"]) == 0
+    err = capsys.readouterr().err
+    assert "compiling the forward (2 x 160 tokens) …" in err
+    assert "the forward (2 x 160 tokens): compiled and ran in" in err
     logits = np.load(tmp_path / "logits.npy")
     assert logits.dtype == np.float32 and logits.shape == (*ids.shape, ref["batch2_prefill_logits"].shape[-1])
     np.testing.assert_array_equal(logits, ours["batch2_prefill_logits"])

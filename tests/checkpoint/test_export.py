@@ -75,6 +75,25 @@ def test_bf16_export_holds_the_release_values_and_converts_back(golden_dir, gold
         np.testing.assert_array_equal(again[name], value, err_msg=name)
 
 
+def test_a_large_restore_reads_in_groups_with_a_progress_line(golden_native):
+    import io
+
+    import jax
+
+    params = golden_native / "params"
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = {n: jax.ShapeDtypeStruct(s, d, sharding=one) for n, (s, d) in store.stored_arrays(params).items()}
+    whole = store.restore_arrays(params, targets, progress=True, stream=io.StringIO())  # one group
+    stream = io.StringIO()
+    groups = store.restore_arrays(params, targets, group_bytes=1 << 20, stream=stream)  # 3.3 MB: four groups
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 5 and all(line.startswith("restore ") and "ETA" in line for line in lines[:4]), lines
+    assert "100.0%" in lines[3] and lines[4].startswith(f"restored {len(targets)} arrays (3.3 MB)"), lines
+    assert set(groups) == set(whole)
+    for name, value in whole.items():
+        np.testing.assert_array_equal(np.asarray(groups[name]), np.asarray(value), err_msg=name)
+
+
 def test_a_float_checkpoint_exports_onto_the_same_values(tiny_converted, tmp_path):
     # fp32 conversion -> export (every FP8 / FP4 block re-encoded by the release's rule) -> convert: every array
     # of every subtree (DSpark, vision) holds the same values; the rule re-encodes a decoded block exactly

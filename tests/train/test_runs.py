@@ -299,19 +299,25 @@ def test_sample_from_a_training_run(cli_run, run_cfg, forward, capsys):
     n_new, prompt = 10, "def "
     assert main(["sample", "--run", str(cli_run), "--prompt", prompt, "--max-new-tokens", str(n_new),
                  "--dtype", "float32", "--max-seq-len", "64", "--show-ids"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert f"step {STEPS}" in out, out
     ids_line = [line for line in out.splitlines() if line.startswith("[0] ids ")]
     got = [int(t) for t in ids_line[0][len("[0] ids "):].split(",")]
     assert got, out
+    # one prompt streams as text: the prompt, then the continuation as it decodes, then the ids on their own line
+    from tokenizers import Tokenizer
+
+    text = Tokenizer.from_file(str(cli_run / "tokenizer.json")).decode(got, skip_special_tokens=False)
+    assert f"\n{prompt}{text}\n[0] ids " in out, out
+    assert "compiling prefill and decode (1 row, 10 new tokens) …" in captured.err
+    assert "prefill and decode (1 row, 10 new tokens): compiled and ran in " in captured.err
 
     # oracle: argmax of the full training forward, one token at a time, params read with plain Orbax
     _, model_cfg, _ = run_cfg
     stored = _restore_independently(cli_run / "checkpoints" / str(STEPS))
     _, params, biases, _ = split_model(Transformer(model_cfg, rngs=nnx.Rngs(1)))
     params, biases = _fill(params, stored["params"]), _fill(biases, stored["biases"])
-    from tokenizers import Tokenizer
-
     seq = [model_cfg.bos_token_id, *Tokenizer.from_file(str(cli_run / "tokenizer.json")).encode(
         prompt, add_special_tokens=False).ids]
     want: list[int] = []

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_entry_points import load_script
+from test_entry_points import REPO, load_script
 
 
 def test_gather_vjp_variants_agree():
@@ -93,3 +93,23 @@ def test_decode_floor_counts_what_a_decode_step_reads(weights):
     # batch: K distinct experts at 1, all E in the limit; one embedding row per sequence
     assert bench.expected_experts(8, 2, 1) == 2 and abs(bench.expected_experts(8, 2, 200) - 8) < 1e-9
     assert bench.weight_reads(cfg, 4)["embedding_rows"] == 4 * got["embedding_rows"]
+
+
+def test_charts_draw_the_tables_numbers_and_nothing_else(tmp_path):
+    """benchmarks/charts.py: every table of BENCHMARKS.md read, each chart's bars the numbers of its table's cells
+    (a cell that is not a number draws none), one PNG per table with numbers and an index of them."""
+    charts = load_script("benchmarks/charts.py")
+    md = ("## Decode\n\n| batch | context | step (ms) | tokens/s | note |\n|---:|---:|---:|---|---|\n"
+          "| 1 | 8,192 | 29.5 | 33.9 | a |\n| 32 | 65,536 | not yet measured | 1,079 | b |\n\ntext\n")
+    (table,) = charts.tables(md)
+    labels, cols = charts.series(table)
+    assert table.heading == "Decode" and labels == ["1 / 8,192", "32 / 65,536"]
+    assert list(cols) == ["tokens/s"] and cols["tokens/s"] == [33.9, 1079.0]  # one number is not a column
+    every = charts.tables((REPO / "BENCHMARKS.md").read_text())  # the real file parses: every row fits its header
+    assert len(every) >= 20 and all(len(r) <= len(t.header) for t in every for r in t.rows)
+    assert sum(bool(charts.series(t)[1]) for t in every) >= 20  # most tables hold numbers to draw
+    (tmp_path / "b.md").write_text(md + "\n## Words only\n\n| a | b |\n|---|---|\n| x | y |\n")
+    assert charts.main(["--md", str(tmp_path / "b.md"), "--out", str(tmp_path / "out")]) == 0
+    (png,) = (tmp_path / "out").glob("*.png")  # the table without numbers draws nothing
+    assert png.name == "00-decode.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "- Decode: ![](00-decode.png)" in (tmp_path / "out" / "index.md").read_text()

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, ArrayLike, Int
 
 from dsv41_jax import quant
 from dsv41_jax.config import ModelConfig
@@ -127,7 +127,7 @@ def read_ring(ring: RingCache, dtype) -> Array:
     return quant.unpack_fp8_ue8m0(ring.values, ring.exps, dtype)
 
 
-def ring_positions(lengths: Int[Array, "B"], window: int) -> Int[Array, "B W"]:
+def ring_positions(lengths: Int[ArrayLike, "B"], window: int) -> Int[Array, "B W"]:
     """Absolute position held by each ring slot before a chunk that starts at ``lengths`` (−1 = empty)."""
     last = lengths[:, None] - 1
     pos = last - jnp.mod(last - jnp.arange(window)[None, :], window)

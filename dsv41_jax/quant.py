@@ -34,6 +34,8 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike, Float, Shaped, UInt8
 
+# shape letters beyond the glossary: G scale groups along the last axis, P packed bytes (two E2M1 codes each),
+# R x C scale tiles of a block-scaled matrix, E stacked experts
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude table, index = code bits 0-2
@@ -151,19 +153,19 @@ _qdq_fp8, _qdq_nvfp4, _qdq_mxfp4 = map(_make_qdq, (_fp8_ue8m0_core, _nvfp4_core,
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
-def qdq_fp8_ue8m0(x: Float[Array, "*B X"], block: int = FP8_BLOCK) -> Float[Array, "*B X"]:
+def qdq_fp8_ue8m0(x: Float[ArrayLike, "*B X"], block: int = FP8_BLOCK) -> Float[Array, "*B X"]:
     """FP8 E4M3 with a power-of-two scale per ``block`` (SWA KV; FP8-linear activations)."""
     return _qdq_fp8(jnp.asarray(x), block)
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
-def qdq_nvfp4(x: Float[Array, "*B X"], block: int = NVFP4_BLOCK) -> Float[Array, "*B X"]:
+def qdq_nvfp4(x: Float[ArrayLike, "*B X"], block: int = NVFP4_BLOCK) -> Float[Array, "*B X"]:
     """E2M1 with an E4M3 scale per ``block`` and no global scale (main KV)."""
     return _qdq_nvfp4(jnp.asarray(x), block)
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
-def qdq_mxfp4(x: Float[Array, "*B X"], block: int = MXFP4_BLOCK) -> Float[Array, "*B X"]:
+def qdq_mxfp4(x: Float[ArrayLike, "*B X"], block: int = MXFP4_BLOCK) -> Float[Array, "*B X"]:
     """E2M1 with a power-of-two scale per ``block`` (indexer q and k)."""
     return _qdq_mxfp4(jnp.asarray(x), block)
 
@@ -222,7 +224,7 @@ def _apply_scale(values: Array, scale: Array, dtype) -> Array:
 @functools.partial(jax.jit, static_argnames=("block",))
 def pack_nvfp4(
     x: Float[Array, "*B X"], block: int = NVFP4_BLOCK
-) -> tuple[UInt8[Array, "*B X//2"], Shaped[Array, "*B X/block"]]:
+) -> tuple[UInt8[Array, "*B X//2"], Shaped[Array, "*B G"]]:
     """x -> (E2M1 nibbles uint8, E4M3 scales float8_e4m3fn); 288 B per 512 lanes."""
     x = jnp.asarray(x)
     c, s = _nvfp4_core(_grouped(x, block))
@@ -232,7 +234,7 @@ def pack_nvfp4(
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def unpack_nvfp4(
-    codes: UInt8[Array, "*B X//2"], scales: Shaped[Array, "*B X/block"], dtype=jnp.float32
+    codes: UInt8[Array, "*B P"], scales: Shaped[Array, "*B G"], dtype=jnp.float32
 ) -> Float[Array, "*B X"]:
     return _apply_scale(_e2m1_values(_unpack_nibbles(codes)), jnp.asarray(scales).astype(jnp.float32), dtype)
 
@@ -240,7 +242,7 @@ def unpack_nvfp4(
 @functools.partial(jax.jit, static_argnames=("block",))
 def pack_mxfp4(
     x: Float[Array, "*B X"], block: int = MXFP4_BLOCK
-) -> tuple[UInt8[Array, "*B X//2"], UInt8[Array, "*B X/block"]]:
+) -> tuple[UInt8[Array, "*B X//2"], UInt8[Array, "*B G"]]:
     """x -> (E2M1 nibbles uint8, E8M0 exponent bytes uint8); 68 B per 128 lanes."""
     x = jnp.asarray(x)
     c, s = _mxfp4_core(_grouped(x, block))
@@ -249,7 +251,7 @@ def pack_mxfp4(
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def unpack_mxfp4(
-    codes: UInt8[Array, "*B X//2"], exps: UInt8[Array, "*B X/block"], dtype=jnp.float32
+    codes: UInt8[Array, "*B P"], exps: UInt8[Array, "*B G"], dtype=jnp.float32
 ) -> Float[Array, "*B X"]:
     return _apply_scale(_e2m1_values(_unpack_nibbles(codes)), _e8m0_value(exps), dtype)
 
@@ -257,7 +259,7 @@ def unpack_mxfp4(
 @functools.partial(jax.jit, static_argnames=("block",))
 def pack_fp8_ue8m0(
     x: Float[Array, "*B X"], block: int = FP8_BLOCK
-) -> tuple[Shaped[Array, "*B X"], UInt8[Array, "*B X/block"]]:
+) -> tuple[Shaped[Array, "*B X"], UInt8[Array, "*B G"]]:
     """x -> (E4M3 values float8_e4m3fn, E8M0 exponent bytes uint8); 528 B per 512 lanes."""
     x = jnp.asarray(x)
     q, s = _fp8_ue8m0_core(_grouped(x, block))
@@ -266,7 +268,7 @@ def pack_fp8_ue8m0(
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def unpack_fp8_ue8m0(
-    values: Shaped[Array, "*B X"], exps: UInt8[Array, "*B X/block"], dtype=jnp.float32
+    values: Shaped[Array, "*B X"], exps: UInt8[Array, "*B G"], dtype=jnp.float32
 ) -> Float[Array, "*B X"]:
     return _apply_scale(jnp.asarray(values).astype(jnp.float32), _e8m0_value(exps), dtype)
 
@@ -286,7 +288,7 @@ def _cdiv(a: int, b: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def dequant_fp8_blocks(
-    w: Shaped[ArrayLike, "Y X"], scale_e8m0: Shaped[ArrayLike, "Y/32 X/32"], block: tuple[int, int] = (32, 32)
+    w: Shaped[ArrayLike, "Y X"], scale_e8m0: Shaped[ArrayLike, "R C"], block: tuple[int, int] = (32, 32)
 ) -> Float[Array, "Y X"]:
     """Dense FP8 weight with one E8M0 scale per block[0] x block[1] tile (ragged edge tiles allowed)."""
     w = jnp.asarray(w)
@@ -298,8 +300,8 @@ def dequant_fp8_blocks(
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def dequant_fp4_rows(
-    packed: Shaped[ArrayLike, "Y X//2"], scale_e8m0: Shaped[ArrayLike, "Y X/32"], block: int = 32
-) -> Float[Array, "Y X"]:
+    packed: Shaped[ArrayLike, "*E Y P"], scale_e8m0: Shaped[ArrayLike, "*E Y G"], block: int = 32
+) -> Float[Array, "*E Y X"]:
     """Routed-expert MXFP4 weight: I8 nibbles (low = even column) and a per-row E8M0 scale per block."""
     vals = _e2m1_values(_unpack_nibbles(packed))
     _check_scale("dequant_fp4_rows", np.shape(scale_e8m0), (*vals.shape[:-1], _cdiv(vals.shape[-1], block)))
@@ -308,8 +310,8 @@ def dequant_fp4_rows(
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def dequant_fp8_rows(
-    w: Shaped[ArrayLike, "V H"], scale_e8m0: Shaped[ArrayLike, "V H/32"], block: int = 32
-) -> Float[Array, "V H"]:
+    w: Shaped[ArrayLike, "*E V H"], scale_e8m0: Shaped[ArrayLike, "*E V G"], block: int = 32
+) -> Float[Array, "*E V H"]:
     """Engram table: FP8 rows with a row-wise E8M0 scale per ``block`` columns (not 32x32 tiles)."""
     w = jnp.asarray(w)
     _check_scale("dequant_fp8_rows", np.shape(scale_e8m0), (*w.shape[:-1], _cdiv(w.shape[-1], block)))
@@ -319,7 +321,7 @@ def dequant_fp8_rows(
 @functools.partial(jax.jit, static_argnames=("block",))
 def quantize_fp8_blocks(
     w: Float[ArrayLike, "Y X"], block: tuple[int, int] = (32, 32)
-) -> tuple[Shaped[Array, "Y X"], UInt8[Array, "Y/32 X/32"]]:
+) -> tuple[Shaped[Array, "Y X"], UInt8[Array, "R C"]]:
     """Inverse of ``dequant_fp8_blocks``: the act_quant rule (spec model §2.3) over each tile.
 
     Equals ``qdq_fp8_ue8m0`` applied to every flattened tile, including the 1e-4 amax floor.
@@ -336,7 +338,7 @@ def quantize_fp8_blocks(
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def quantize_fp4_rows(
-    w: Float[ArrayLike, "Y X"], block: int = 32
-) -> tuple[UInt8[Array, "Y X//2"], UInt8[Array, "Y X/32"]]:
+    w: Float[ArrayLike, "*E Y X"], block: int = 32
+) -> tuple[UInt8[Array, "*E Y X//2"], UInt8[Array, "*E Y G"]]:
     """Inverse of ``dequant_fp4_rows``: MXFP4 (spec attention §7.3 rule) along each row."""
     return pack_mxfp4(jnp.asarray(w, jnp.float32), block)

@@ -421,3 +421,12 @@ def test_golden_caches_are_fixed_points(mode):
         kv, ik = ref[f"b1_compressed_kv_{layer}"], ref[f"b1_index_k_{layer}"]
         assert_bitwise(Q.qdq_nvfp4(kv), kv)
         assert_bitwise(Q.qdq_mxfp4(ik), ik)
+
+
+def test_annotations_are_checked_at_test_time():
+    """tests/conftest.py's import hook checks this module's jaxtyping annotations: a matrix function handed a
+    vector fails on its annotation, before any of its own code runs."""
+    import jaxtyping
+
+    with pytest.raises(jaxtyping.TypeCheckError, match="dequant_fp8_blocks"):
+        Q.dequant_fp8_blocks(np.zeros(64, np.float32), np.zeros((2, 2), np.uint8))

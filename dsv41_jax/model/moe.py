@@ -185,7 +185,7 @@ def _read_bytes(m: StackedLinear, dtype) -> dict[str, float]:
     w = m.weight
     stored = 0.5 + 1 / quant.MXFP4_BLOCK if m.native else jnp.dtype(w.dtype).itemsize
     cast = m.native or jnp.dtype(w.dtype) != jnp.dtype(dtype)
-    return {"stored": stored, "dequantised": 2 * jnp.dtype(dtype).itemsize if cast else 0.0}
+    return {"stored": float(stored), "dequantised": float(2 * jnp.dtype(dtype).itemsize) if cast else 0.0}
 
 
 def routed_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],

@@ -173,3 +173,33 @@ print(new)
 full = np.concatenate([tokens[:, :P], new], axis=1)
 full_rows, _ = hasher.row_ids(full)
 assert (np.asarray(forward(state, full, full_rows))[:, P - 1:-1].argmax(-1) == new).all()
+
+# %% [markdown]
+# ## Pictures: a run's curves and the benchmark charts
+#
+# `dsv41 plot RUN_DIR` (`plot_run`) draws a run's loss, learning-rate, throughput and expert-imbalance curves
+# from its `metrics.jsonl`; after the README's first command they are those of `runs/pretrain_tiny`.
+# `benchmarks/charts.py` draws BENCHMARKS.md's tables into `docs/benchmarks/`; the first is shown below.
+
+# %%
+from pathlib import Path  # noqa: E402
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+from dsv41_jax.train.plot import plot_run  # noqa: E402
+
+repo = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
+run = repo / "runs" / "pretrain_tiny"
+pictures = sorted((repo / "docs" / "benchmarks").glob("*.png"))
+if (run / "metrics.jsonl").is_file():
+    pictures = list(plot_run(run, Path("/tmp") / "tour_plots").values()) + pictures[:1]
+else:
+    print(f"no run at {run}: train one with the README's first command to see its curves here")
+    pictures = pictures[:1]
+for path in pictures:
+    plt.figure(figsize=(12, 3))
+    plt.imshow(plt.imread(path))
+    plt.axis("off")
+    plt.title(path.name, fontsize=8)
+    plt.show()
+assert pictures, "docs/benchmarks/ holds the charts (python benchmarks/charts.py)"

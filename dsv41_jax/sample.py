@@ -141,7 +141,10 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
     note = CompileNotice(f"prefill and decode ({len(batch)} row{'s' * (len(batch) > 1)}, {max_new_tokens} new tokens)")
 
     def show(block):  # [B, block] new ids; -1 once a row has stopped
-        note.done()
+        if note.pending:  # the compile line first, then the text: a terminal shows stderr and stdout together
+            note.done()
+            if stream:
+                write(prompts[0])
         for i, row in enumerate(block):
             new[i] += [int(t) for t in row if t >= 0]
             text = tok.decode(new[i], skip_special_tokens=False)  # whole rows: characters split across blocks
@@ -153,8 +156,6 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
             elif delta.strip():
                 log(f"[{i}] {delta}")
 
-    if stream:
-        write(prompts[0])
     outs = gen.generate(batch, seed=seed, on_block=show, images=vision)
     if stream:
         write("\n")

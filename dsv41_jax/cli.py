@@ -193,7 +193,8 @@ def _cmd_serve(args) -> int:
                         prefill_mode=args.prefill_mode, prefill_chunk=args.prefill_chunk, block=args.block,
                         dtype=args.dtype, mesh=args.mesh, name=args.served_model_name,
                         prefix_cache_dir=args.prefix_cache_dir, host_cache_gb=args.host_cache_gb,
-                        disk_cache_gb=args.disk_cache_gb, swa_pool_gb=args.swa_pool_gb, swa_ttl=args.swa_ttl)
+                        disk_cache_gb=args.disk_cache_gb, swa_pool_gb=args.swa_pool_gb, swa_ttl=args.swa_ttl,
+                        allowed_local_media_path=args.allowed_local_media_path)
     serve(opts, host=args.host, port=args.port, run=args.run, ckpt=args.ckpt, hf_dir=args.hf_dir)
     return 0
 
@@ -363,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swa-pool-gb", type=A.at_least(0.0, float), default=2.0, help="SWA ring pool budget")
     p.add_argument("--swa-ttl", type=A.at_least(0.0, float), default=300.0, help="seconds a finished "
                    "conversation's SWA rings are kept (after that a hit replays the window)")
+    p.add_argument("--allowed-local-media-path", metavar="DIR", help="image parts may name local files (a path or "
+                   "file:// URL) inside DIR; without it only data: URLs are read")
     _add_mesh(p)
     p.set_defaults(fn=_cmd_serve)
     p = sub.add_parser("train", help="pre-train from a YAML run config (model, optim, mesh, data, checkpoint)")

@@ -28,6 +28,7 @@ class ServeOptions:
     disk_cache_gb: float = 256.0
     swa_pool_gb: float = 2.0
     swa_ttl: float = 300.0
+    allowed_local_media_path: str | None = None  # image parts may name local files under this directory
 
 
 def build(opts: ServeOptions, *, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | None = None,
@@ -72,8 +73,31 @@ def build(opts: ServeOptions, *, run: str | os.PathLike | None = None, ckpt: str
     source = Path(run or ckpt or hf_dir)
     served = Served(scheduler, tok, ChatTemplate.from_tokenizer_dir(loaded.tokenizer.parent, tok, cfg.bos_token_id,
                                                                     cfg.eos_token_id),
-                    metrics, opts.name or source.resolve().name, opts.max_seq_len, cfg.vocab_size, cfg.bos_token_id)
+                    metrics, opts.name or source.resolve().name, opts.max_seq_len, cfg.vocab_size, cfg.bos_token_id,
+                    _image_inputs(loaded.model, opts, run=run, ckpt=ckpt, hf_dir=hf_dir, log=log),
+                    tok.id_to_token(cfg.image_token_id) or "")
     return create_app(served), scheduler
+
+
+def _image_inputs(model, opts: ServeOptions, *, run, ckpt, hf_dir, log: Callable[[str], None]):
+    """The vision path of image parts (the checkpoint's tower, or the run's own), or None without a tower."""
+    from dsv41_jax.checkpoint.load import vision_encoder
+    from dsv41_jax.serve.images import ImageInputs
+    from dsv41_jax.vision.prompt import ImageEncoder
+
+    if run is not None:
+        tower = model if hasattr(model, "vision") else None
+    else:
+        try:
+            tower = vision_encoder(ckpt=ckpt, hf_dir=hf_dir, dtype=opts.dtype)
+        except ValueError:  # a text-only checkpoint
+            tower = None
+    if tower is None:
+        log("images: off (the checkpoint has no vision tower)")
+        return None
+    cfg = model.cfg
+    return ImageInputs(ImageEncoder(tower), cfg.vision, cfg.image_token_id, cfg.pad_token_id,
+                       opts.allowed_local_media_path)
 
 
 def serve(opts: ServeOptions, *, host: str = "127.0.0.1", port: int = 8000, log: Callable[[str], None] = print,

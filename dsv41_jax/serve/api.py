@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat completions (streamed as server-sent events or
-whole), models, health and Prometheus metrics, over the continuous-batching :class:`Scheduler`."""
+whole), models, health and Prometheus metrics, over the continuous-batching :class:`Scheduler`. Chat messages
+may hold ``image_url`` parts (:mod:`dsv41_jax.serve.images`)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenizers import Tokenizer
 
 from dsv41_jax.sample import encode_prompts
+from dsv41_jax.serve.images import ImageError, ImageInputs
 from dsv41_jax.serve.metrics import Metrics
 from dsv41_jax.serve.scheduler import Overloaded, Scheduler, Update
 from dsv41_jax.serve.scheduler import Request as Job
 from dsv41_jax.serve.schema import ChatRequest, CompletionRequest
-from dsv41_jax.serve.text import ChatTemplate, ReasoningSplit, TemplateError, effort_value
+from dsv41_jax.serve.text import ChatTemplate, ReasoningSplit, TemplateError, effort_value, image_parts
 
 
 @dataclass
@@ -33,6 +35,8 @@ class Served:
     max_seq_len: int
     vocab: int
     bos: int
+    images: ImageInputs | None = None  # None: the checkpoint has no vision tower
+    image_token: str = ""  # the image token's text: an image part's place in the rendered prompt
 
 
 class ApiError(Exception):
@@ -46,11 +50,16 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
 
 
 def _param(loc: tuple) -> str | None:
-    """pydantic's error location -> ``messages[0].role`` (union member tags such as ``list[int]`` dropped)."""
-    out = ""
+    """pydantic's error location -> ``messages[0].role`` (union member tags such as ``list[int]`` dropped; inside
+    a list of a tagged union, ``messages[0].content[1].image_url.url``)."""
+    out, tag_next = "", False
     for part in loc[1:]:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif tag_next:  # the member's tag (the discriminator's value): not a field
+            tag_next = False
+        elif "tagged-union[" in part:
+            tag_next = True
         elif "[" in part or part in ("str", "int", "float", "bool", "none") or part.startswith("function-"):
             break
         else:
@@ -63,7 +72,7 @@ def create_app(s: Served) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, exc: RequestValidationError):
-        err = exc.errors()[0]
+        err = max(exc.errors(), key=lambda e: len(e.get("loc", ())))  # of a union's members, the one that got furthest
         if err.get("type") == "json_invalid":
             return _error(400, "the request body is not valid JSON")
         param = _param(tuple(err.get("loc", ())))
@@ -106,14 +115,25 @@ def create_app(s: Served) -> FastAPI:
         _check_model(s, body.model)
         kwargs = body.chat_template_kwargs or {}
         thinking = bool(kwargs.get("thinking", body.reasoning_effort is not None))
+        messages, images = image_parts([m.model_dump(exclude_none=True) for m in body.messages], s.image_token)
+        if images and s.images is None:
+            raise ApiError(400, f"{images[0][0]}: this model has no vision tower: it takes no images", images[0][0])
         try:
-            text = s.template.render([m.model_dump(exclude_none=True) for m in body.messages], thinking=thinking,
-                                     effort=effort_value(body.reasoning_effort))
+            text = s.template.render(messages, thinking=thinking, effort=effort_value(body.reasoning_effort))
         except TemplateError as err:
             raise ApiError(400, str(err), err.param) from None
         prompt = s.tok.encode(text, add_special_tokens=False).ids
+        expanded = None
+        if images:  # the tower runs off the event loop
+            try:
+                expanded = await asyncio.to_thread(s.images.prompt, prompt, images)
+            except ImageError as err:
+                raise ApiError(400, str(err), err.param) from None
+            prompt = expanded.ids
         top = (body.top_logprobs or 0) if body.logprobs else None
         job = _job(s, body, prompt, "messages", body.max_completion_tokens or body.max_tokens, top)
+        if expanded is not None:
+            job.token_types, job.image_embeds, job.keys = expanded.token_types, expanded.embeds, expanded.keys
         return await _respond(s, raw, job, body, ChatFormat(s, body, job, thinking))
 
     return app

@@ -8,6 +8,10 @@ restart). Its **SWA rings** go to a separate pool with a time-to-live: they are
 never persisted. The device tier is the engine's own batch rows (a finished row keeps its state until the
 row is needed): :mod:`dsv41_jax.serve.scheduler` looks there first.
 
+Entries are keyed by a sequence's cache keys: its token ids, except that each image span's positions hold a
+key derived from the image's pixels (:func:`dsv41_jax.serve.images.cache_keys`), so prompts whose ids agree but
+whose images differ share nothing past the first differing span.
+
 A lookup finds the entry sharing the longest token prefix with a prompt: a chain of block hashes (every
 ``BLOCK`` tokens) finds the deepest shared block, the tokens after it are compared one by one. Each tier
 evicts least recently used entries beyond its byte budget.
@@ -32,13 +36,13 @@ BLOCK = 16  # tokens per prefix-hash block
 
 
 def entry_key(tokens: np.ndarray, salt: str = "") -> str:
-    return hashlib.sha256(salt.encode() + b"\0" + np.asarray(tokens, np.int32).tobytes()).hexdigest()
+    return hashlib.sha256(salt.encode() + b"\0" + np.asarray(tokens, np.int64).tobytes()).hexdigest()
 
 
 def block_hashes(tokens: np.ndarray, salt: str = "") -> list[bytes]:
     """h_k = SHA-256(h_{k-1} ‖ block k) for every complete block of ``tokens``; h_0 = SHA-256(salt)."""
     out, h = [], hashlib.sha256(salt.encode()).digest()
-    t = np.asarray(tokens, np.int32)
+    t = np.asarray(tokens, np.int64)
     for k in range(len(t) // BLOCK):
         h = hashlib.sha256(h + t[k * BLOCK:(k + 1) * BLOCK].tobytes()).digest()
         out.append(h)
@@ -146,7 +150,7 @@ class PrefixCache:
 
     # -- internals
     def _index(self, key: str, tokens: np.ndarray, salt: str) -> None:
-        self.tokens[key], self.salts[key] = np.asarray(tokens, np.int32), salt
+        self.tokens[key], self.salts[key] = np.asarray(tokens, np.int64), salt
         for h in block_hashes(tokens, salt):
             self.blocks.setdefault(h, set()).add(key)
 
@@ -182,7 +186,7 @@ class PrefixCache:
             self.disk[key] = size
             if key not in self.tokens:
                 meta = json.loads((self.dir / key / "meta.json").read_text())
-                self._index(key, np.asarray(meta["tokens"], np.int32), meta["salt"])
+                self._index(key, np.asarray(meta["tokens"], np.int64), meta["salt"])
         self._evict()
 
     def _evict(self) -> None:
@@ -230,7 +234,7 @@ class PrefixCache:
             n = int(np.prod(shape)) * dtype.itemsize
             arrays.append(np.asarray(blob[at: at + n]).view(dtype).reshape(shape))
             at += n
-        return Entry(np.asarray(meta["tokens"], np.int32), arrays, meta["salt"])
+        return Entry(np.asarray(meta["tokens"], np.int64), arrays, meta["salt"])
 
     def _scan_disk(self) -> None:
         """Index the entries a previous server left (oldest first for LRU); drop half-written ones."""
@@ -242,7 +246,7 @@ class PrefixCache:
                 found.append((path.stat().st_mtime, path))
         for _, path in sorted(found):
             meta = json.loads((path / "meta.json").read_text())
-            tokens = np.asarray(meta["tokens"], np.int32)
+            tokens = np.asarray(meta["tokens"], np.int64)
             if entry_key(tokens, meta["salt"]) != path.name:
                 continue  # not ours
             self._index(path.name, tokens, meta["salt"])

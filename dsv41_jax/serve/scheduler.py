@@ -7,6 +7,9 @@ request its new text: a long prompt never stalls the streams already running. Sa
 arrays, so no request ever compiles anything: the shapes are the prefill chunk and the decode block, built at
 start-up.
 
+An image prompt comes with its token types and span embeddings (:mod:`dsv41_jax.serve.images`); rows and cache
+entries hold a sequence's cache keys (its token ids, image spans keyed by their pixels), never the bare ids.
+
 A finished row keeps its state (the **device tier** of the prefix cache): a request that continues that exact
 sequence resumes in place with its SWA window live. When the row is needed by someone else, its global KV is
 already in the host (and disk) tier with its rings in the SWA pool, written when it finished
@@ -69,17 +72,25 @@ class Request:
     stops: tuple[str, ...] = ()
     top_logprobs: int | None = None  # None: no logprobs
     salt: str = ""  # cache_salt: prefix-cache entries are shared only between requests of one salt
+    token_types: np.ndarray | None = None  # an image prompt's token types (dsv41_jax.vision.spans) ...
+    image_embeds: jax.Array | None = None  # ... its span embeddings [len(prompt), D] ...
+    keys: np.ndarray | None = None  # ... and its prefix-cache keys (dsv41_jax.serve.images.cache_keys)
     cancelled: bool = False
     arrival: float = field(default_factory=time.monotonic)
     generated: int = 0
     last_emit: float | None = None
     text: TextStream | None = None
 
+    @property
+    def cache_keys(self) -> np.ndarray:
+        """int64 [len(prompt)]: the prompt as the prefix cache keys it (its ids; image spans by content)."""
+        return np.asarray(self.prompt, np.int64) if self.keys is None else self.keys
+
 
 @dataclass
 class Row:
     request: Request | None = None
-    tokens: list[int] = field(default_factory=list)  # what the row's cache holds
+    tokens: list[int] = field(default_factory=list)  # the cache keys of what the row's cache holds
     parked: bool = False  # finished, its state kept (device tier)
     active: bool = False  # prefilled: decoding
     salt: str = ""
@@ -208,10 +219,11 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.text = TextStream(self.tok, req.stops)
-            self.rows[admission.row] = Row(req, list(req.prompt), salt=req.salt)
+            self.rows[admission.row] = Row(req, req.cache_keys.tolist(), salt=req.salt)
             seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
             admissions.append(Admission(admission.row, req.prompt, admission.start, admission.replay_hit,
-                                        (req.temperature, req.top_k, req.top_p, req.max_new), seed))
+                                        (req.temperature, req.top_k, req.top_p, req.max_new), seed,
+                                        token_types=req.token_types, image_embeds=req.image_embeds))
             self.metrics.prompt_tokens.inc(len(req.prompt))
         if admissions:
             plan = self.gen.plan(admissions)
@@ -227,13 +239,13 @@ class Scheduler:
 
     def _place(self, req: Request) -> Admission | None:
         """A row for ``req`` and where its prefill starts: a device, host or disk hit, or a miss."""
-        prompt = np.asarray(req.prompt, np.int32)
+        prompt = req.cache_keys
         best = None
         for i, row in enumerate(self.rows):  # device tier: a finished row that ``prompt`` continues
             n = len(row.tokens)
             longer = best is None or n > len(self.rows[best].tokens)
             if row.parked and row.salt == req.salt and n < len(prompt) and longer \
-                    and np.array_equal(np.asarray(row.tokens, np.int32), prompt[:n]):
+                    and np.array_equal(np.asarray(row.tokens, np.int64), prompt[:n]):
                 best = i
         if best is not None:
             self.metrics.hit("device", "live")
@@ -333,6 +345,6 @@ class Scheduler:
             for m, src in zip(self.ratios, sources, strict=True):
                 t = -(-n // m)
                 arrays += [a[:t] for a in src[:4]] + list(src[4:])
-            self.cache.put(Entry(np.asarray(row.tokens, np.int32), arrays, row.salt), [x for r in rings for x in r])
+            self.cache.put(Entry(np.asarray(row.tokens, np.int64), arrays, row.salt), [x for r in rings for x in r])
             self.metrics.cache_bytes(self.cache.tier_bytes())
 

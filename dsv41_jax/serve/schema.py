@@ -7,7 +7,7 @@ Validation errors become OpenAI-style 400 bodies naming the field (``api.validat
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -76,10 +76,25 @@ class CompletionRequest(_Common):
         return v
 
 
-class ContentPart(BaseModel):
+class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
+
+
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(min_length=1)  # data:image/...;base64,..., a local path or file:// URL (dsv41_jax.serve.images)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor's own resolution rules apply
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class Message(BaseModel):

@@ -62,6 +62,24 @@ def _content(message: dict, i: int) -> str:
     return content
 
 
+def image_parts(messages: list[dict], placeholder: str) -> tuple[list[dict], list[tuple[str, str]]]:
+    """The messages with each ``image_url`` content part replaced by a text part holding ``placeholder`` (the image
+    token, where the image's span goes), and each image's (request field, URL) in order."""
+    out, images = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    images.append((f"messages[{i}].content[{j}].image_url.url", part["image_url"]["url"]))
+                    part = {"type": "text", "text": placeholder}
+                parts.append(part)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out, images
+
+
 @dataclass
 class ChatTemplate:
     """Renders OpenAI messages as the model's prompt text."""

@@ -1,22 +1,15 @@
 """``dsv41 serve`` on the golden checkpoint, driven by the real ``openai`` client.
 
-One server process for the module (fp32, exact prefill, 4 batch rows, 4-step decode blocks), started by the
-command line with a compilation cache in a temporary directory, so the restart at the end reads its programs
-back instead of compiling them again. Requests that must run cold carry a ``cache_salt`` of their own: the
-prefix cache never shares entries across salts.
+A server process (fp32, exact prefill, 4 batch rows, 4-step decode blocks), started by the command line with a
+compilation cache in a temporary directory, so the restart reads its programs back instead of compiling them
+again; then a second one with CED prefill and images on the same cache (only its prefill programs are new),
+checked against the engine's Generator in a child that reads every program back from that cache. Requests
+that must run cold carry a ``cache_salt`` of their own: the prefix cache never shares entries across salts.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
-import threading
-import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,51 +21,7 @@ from dsv41_jax.serve.prefix_cache import entry_key
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-
-MODEL = "tiny_hf"
-
-
-class Server:
-    def __init__(self, golden_dir, work, *extra: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, DSV41_COMPILE_CACHE=str(work / "xla"), JAX_PLATFORMS="cpu")
-        cmd = [sys.executable, "-m", "dsv41_jax.cli", "serve", "--hf-dir", str(golden_dir / "tiny_hf"), "--dtype",
-               "fp32", "--prefill-mode", "exact", "--max-batch", "4", "--max-seq-len", "256", "--prefill-chunk", "64",
-               "--block", "4", "--max-queue", "16", "--port", str(self.port), "--prefix-cache-dir",
-               str(work / "prefix"), *extra]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()
-        deadline = time.monotonic() + 900
-        while not any(line.startswith("serving on") for line in self.lines):
-            assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.lines)
-            time.sleep(0.2)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-
-    def metric(self, name: str) -> float:
-        """The value of ``name`` (with its labels), or the sum over every label set of a bare name."""
-        total = 0.0
-        for line in urllib.request.urlopen(self.url + "/metrics").read().decode().splitlines():
-            key, _, value = line.rpartition(" ")
-            if key == name or ("{" not in name and key.startswith(name + "{")):
-                total += float(value)
-        return total
-
-    def post(self, path: str, body) -> tuple[int, dict]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read())
+from serve_testing import MODEL, Server, complete, wait  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -88,20 +37,6 @@ def server(golden_dir, work):
         srv.stop()
 
 
-def _complete(srv, prompt, salt, **kw):
-    r = srv.client.completions.create(model=MODEL, prompt=prompt, temperature=0,
-                                      extra_body={"return_token_ids": True, "cache_salt": salt, **kw.pop("extra", {})},
-                                      **kw)
-    return r, r.choices[0].model_extra["token_ids"]
-
-
-def _wait(condition, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def _log_softmax(x):
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
@@ -114,7 +49,7 @@ def test_greedy_completion_and_logprobs_equal_the_reference(server, golden_dir):
     ids = np.load(golden_dir / "inputs.npz")["batch2_ids"]
     ref = np.load(golden_dir / "ref_fp32.npz")
     for row in range(2):
-        r, got = _complete(server, ids[row].tolist(), f"ref{row}", max_tokens=8, logprobs=5)
+        r, got = complete(server, ids[row].tolist(), f"ref{row}", max_tokens=8, logprobs=5)
         want = list(ref["batch2_decode_input_ids"][row])
         assert got == want and r.choices[0].finish_reason == "length"
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (160, 8)
@@ -126,8 +61,8 @@ def test_greedy_completion_and_logprobs_equal_the_reference(server, golden_dir):
             assert all(np.abs(best - v).min() < 2e-4 for v in top.values()) and max(top.values()) == pytest.approx(
                 best[0], abs=2e-4)
     # a text prompt is BOS + its tokens, as `dsv41 sample` encodes it
-    r, got = _complete(server, "Hello world", "text", max_tokens=6)
-    _, same = _complete(server, [0, *[int(t) for t in _encode(golden_dir, "Hello world")]], "ids", max_tokens=6)
+    r, got = complete(server, "Hello world", "text", max_tokens=6)
+    _, same = complete(server, [0, *[int(t) for t in _encode(golden_dir, "Hello world")]], "ids", max_tokens=6)
     assert got == same and r.usage.prompt_tokens == 1 + len(_encode(golden_dir, "Hello world"))
 
 
@@ -139,7 +74,7 @@ def _encode(golden_dir, text):
 
 
 def test_streaming_equals_whole_responses_and_stops(server):
-    whole, ids = _complete(server, "The quick brown fox", "s1", max_tokens=12)
+    whole, ids = complete(server, "The quick brown fox", "s1", max_tokens=12)
     stream = server.client.completions.create(model=MODEL, prompt="The quick brown fox", temperature=0, max_tokens=12,
                                               stream=True, stream_options={"include_usage": True},
                                               extra_body={"return_token_ids": True, "cache_salt": "s2"})
@@ -150,7 +85,7 @@ def test_streaming_equals_whole_responses_and_stops(server):
     # a stop string cuts the text before it (it may span tokens), finish_reason "stop"
     text = whole.choices[0].text
     stop = text[4:7]
-    cut, _ = _complete(server, "The quick brown fox", "s3", max_tokens=12, stop=[stop])
+    cut, _ = complete(server, "The quick brown fox", "s3", max_tokens=12, stop=[stop])
     assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
     # chat, thinking mode (reasoning_effort): reasoning and content deltas add up to the whole message
     kw = dict(model=MODEL, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"}],
@@ -217,7 +152,7 @@ def test_concurrent_streams_equal_their_single_results(server, rng):
     alone = [run(i, False) for i in range(16)]
     assert together == alone
     assert all(len(t) == 3 + (5 * i) % 17 or t[-1] == 1 for i, t in enumerate(together))
-    _wait(lambda: server.metric("dsv41_batch_occupancy") == 0)  # set after the last response went out
+    wait(lambda: server.metric("dsv41_batch_occupancy") == 0)  # set after the last response went out
 
 
 def test_disconnect_frees_the_row_and_overload_answers_429(server):
@@ -226,7 +161,7 @@ def test_disconnect_frees_the_row_and_overload_answers_429(server):
                                               stream=True)
     next(iter(stream))
     stream.close()
-    _wait(lambda: server.metric("dsv41_requests_cancelled_total") > before
+    wait(lambda: server.metric("dsv41_requests_cancelled_total") > before
           and server.metric("dsv41_batch_occupancy") == 0)
     # 40 requests at once for 4 rows and a queue of 16: some are refused at once, the rest complete
     with ThreadPoolExecutor(40) as pool:
@@ -244,23 +179,23 @@ def test_prefix_cache_tiers_and_restart(server, golden_dir, work, rng):
     window (encoder bounded replay); after a restart the same request is served from disk the same way."""
     ids = np.load(golden_dir / "inputs.npz")["batch1_ids"][0].tolist()
     p1 = ids[:100]
-    _, g1 = _complete(server, p1, "conv", max_tokens=8)
+    _, g1 = complete(server, p1, "conv", max_tokens=8)
     p2 = p1 + g1 + ids[100:110]
-    _, cold2 = _complete(server, p2, "cold2", max_tokens=8)
+    _, cold2 = complete(server, p2, "cold2", max_tokens=8)
     hits = server.metric("dsv41_prefix_cache_hits_total")
-    _, g2 = _complete(server, p2, "conv", max_tokens=8)
+    _, g2 = complete(server, p2, "conv", max_tokens=8)
     assert g2 == cold2
     assert server.metric('dsv41_prefix_cache_hits_total{swa="live",tier="device"}') == 1
     p3 = p2 + g2 + ids[110:120]
-    _, cold3 = _complete(server, p3, "cold3", max_tokens=8)
+    _, cold3 = complete(server, p3, "cold3", max_tokens=8)
     with ThreadPoolExecutor(4) as pool:  # every row taken by someone else: the conversation leaves the device
-        list(pool.map(lambda i: _complete(server, [0, 5 + i, 7], f"busy{i}", max_tokens=12), range(4)))
-    _, g3 = _complete(server, p3, "conv", max_tokens=8)
+        list(pool.map(lambda i: complete(server, [0, 5 + i, 7], f"busy{i}", max_tokens=12), range(4)))
+    _, g3 = complete(server, p3, "conv", max_tokens=8)
     assert g3 == cold3
     assert server.metric('dsv41_prefix_cache_hits_total{swa="live",tier="host"}') == 1
     # shares 60 tokens with the conversation: global KV below 60 is reused, the window replayed
     p4 = p1[:60] + ids[120:140]
-    _, g4 = _complete(server, p4, "conv", max_tokens=8)
+    _, g4 = complete(server, p4, "conv", max_tokens=8)
     assert server.metric('dsv41_prefix_cache_hits_total{swa="replay",tier="host"}') == 1
     assert server.metric("dsv41_prefix_cache_hits_total") == hits + 3
     server.stop()
@@ -269,8 +204,120 @@ def test_prefix_cache_tiers_and_restart(server, golden_dir, work, rng):
     again = Server(golden_dir, work)
     try:
         assert any("conversations on disk" in line for line in again.lines)
-        _, g4_again = _complete(again, p4, "conv", max_tokens=8)
+        _, g4_again = complete(again, p4, "conv", max_tokens=8)
         assert g4_again == g4
         assert again.metric('dsv41_prefix_cache_hits_total{swa="replay",tier="disk"}') == 1
     finally:
         again.stop()
+
+
+# -- CED prefill and images: a second server, CED prefill, on the same compilation cache (its decode block and
+# row transfers are the first server's programs), checked against the engine's Generator as `dsv41 sample` runs it
+# with the same shapes
+
+IMAGE_TEXT = "<｜User｜><image>Name it.<｜Assistant｜></think>"  # the chat template's rendering, `sample` spelling
+
+
+@pytest.fixture(scope="module")
+def media(work, golden_dir):
+    """Two images of one size (one compiled tower): the golden image and its mirror."""
+    from PIL import Image, ImageOps
+
+    folder = work / "media"
+    folder.mkdir()
+    shutil.copy(golden_dir / "vision_image_0.png", folder / "a.png")
+    with Image.open(folder / "a.png") as im:
+        ImageOps.mirror(im).save(folder / "b.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ced(golden_dir, work, media):
+    # one chunk holds every prompt here: CED's final-chunk program is the only prefill (text, and image) it needs
+    srv = Server(golden_dir, work, "--prefill-mode", "ced", "--prefill-chunk", "256", "--allowed-local-media-path",
+                 str(media), prefix_dir="prefix-ced")
+    yield srv
+    srv.stop()
+
+
+def _image_chat(srv, url: str, salt: str = ""):
+    r = srv.client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=8,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                               {"type": "text", "text": "Name it."}]}],
+        extra_body={"return_token_ids": True, "cache_salt": salt})
+    return r.choices[0].model_extra["token_ids"]
+
+
+def _data_url(path) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def _generator(work, golden_dir, **request) -> dict:
+    """The child's greedy ids, its programs read back from the servers' compilation cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (work / "request.json").write_text(json.dumps({"hf_dir": str(golden_dir / "tiny_hf"), **request}))
+    env = dict(os.environ, DSV41_COMPILE_CACHE=str(work / "xla"), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("generator_child.py")),
+                          str(work / "request.json")], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_ced_prefill_and_image_chats_equal_the_generator(ced, golden_dir, work, media):
+    """A CED server's greedy tokens equal the Generator's with CED prefill (as `dsv41 sample --prefill-mode ced`):
+    a cold prompt; its continuation by a prefix-cache hit that feeds ≥ window new tokens (CED then truncates the
+    decoder windows at the same row as a cold CED prefill of the whole, and the layers below the cut are exact
+    either way, so the hit equals the cold run); and image chats (`image_url` parts, as a data: URL and as a
+    file:// URL) equal `sample --image`. Two different images behind the same token ids each get their own
+    tokens: the second misses the first one's cached conversation (keys hold the pixels' hash), while the same
+    pixels sent another way hit it."""
+    ids = np.load(golden_dir / "inputs.npz")["batch1_ids"][0].tolist()
+    p1 = ids[:100]
+    _, g1 = complete(ced, p1, "ced", max_tokens=8)
+    p2 = p1 + g1 + ids[100:110]
+    _, g2 = complete(ced, p2, "ced", max_tokens=8)
+    assert ced.metric('dsv41_prefix_cache_hits_total{swa="live",tier="device"}') == 1
+    a = _image_chat(ced, _data_url(media / "a.png"))
+    misses, hits = ced.metric("dsv41_prefix_cache_misses_total"), ced.metric("dsv41_prefix_cache_hits_total")
+    b = _image_chat(ced, (media / "b.png").as_uri())  # the same ids as a's prompt: without image keys, a hit
+    assert ced.metric("dsv41_prefix_cache_misses_total") == misses + 1
+    assert ced.metric("dsv41_prefix_cache_hits_total") == hits
+    _image_chat(ced, (media / "a.png").as_uri())  # a's pixels again (as a file): a's conversation is found
+    assert ced.metric("dsv41_prefix_cache_hits_total") == hits + 1
+    want = _generator(work, golden_dir, prefill_mode="ced", prefill_chunk=256, max_new=8, ids=[p1, p2, p1, p2],
+                      texts=[IMAGE_TEXT] * 4, images=[str(media / n) for n in ("a.png", "b.png", "a.png", "b.png")])
+    assert [g1, g2] == want["ids"][:2]
+    assert [a, b] == want["images"][:2] and a != b
+
+
+def test_bad_images_name_the_field(ced, media, golden_dir):
+    good = {"type": "image_url", "image_url": {"url": _data_url(media / "a.png")}}
+    field = "messages[0].content[1].image_url.url"
+    cases = [
+        ("data:image/png;base64," + "iVBORw0KGgo" * 4, field, "cannot decode"),
+        ("data:text/plain;base64,aGk=", field, "must hold an image"),
+        ("https://example.com/cat.png", field, "remote image URLs are not fetched"),
+        (str(golden_dir / "vision_image_1.png"), field, "outside the allowed local media path"),
+        ((media / "missing.png").as_uri(), field, "no such image file"),
+        ("", field, "at least 1 character"),
+    ]
+    for url, param, message in cases:
+        content = [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}]
+        status, out = ced.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+                                                                                      "content": content}]})
+        assert status == 400 and out["error"]["param"] == param and message in out["error"]["message"], (url, out)
+    # the text spells the image token itself: one placeholder too many
+    status, out = ced.post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": [good, {"type": "text", "text": "<｜deepseek_image｜>"}]}]})
+    assert status == 400 and out["error"]["param"] == "messages" and "2 image placeholder" in out["error"]["message"]
+    status, out = ced.post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"link": "x"}}]}]})
+    assert status == 400 and out["error"]["param"] == "messages[0].content[0].image_url.url", out

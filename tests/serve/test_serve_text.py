@@ -79,7 +79,7 @@ def _entry(tokens, salt="", seed=0):
     codes = rng.integers(0, 255, size=(len(tokens), 4), dtype=np.uint8)
     scales = rng.normal(size=(len(tokens), 2)).astype(ml_dtypes.float8_e4m3fn)
     carry = rng.normal(size=(8,)).astype(np.float32)
-    return Entry(np.asarray(tokens, np.int32), [codes, scales, carry], salt)
+    return Entry(np.asarray(tokens, np.int64), [codes, scales, carry], salt)
 
 
 def test_prefix_lookup_finds_the_longest_shared_prefix(rng):
@@ -104,6 +104,24 @@ def test_prefix_lookup_finds_the_longest_shared_prefix(rng):
         assert (hit.rings is not None) == (hit.length == len(seqs[1]) and np.array_equal(hit.entry.tokens, seqs[1]))
     # another salt shares nothing
     assert cache.lookup(np.concatenate([seqs[0], [5]]), 40, salt="other") is None
+
+
+def test_image_spans_key_the_prefix_cache_by_their_pixels(rng):
+    """Two prompts with the same ids but different images share their text before the span and nothing from
+    it on; the same image shares the whole prompt."""
+    from dsv41_jax.serve.images import cache_keys, image_key
+    from dsv41_jax.vision.spans import expand_prompt
+
+    text = rng.integers(4, 500, size=2 * BLOCK + 3).tolist()
+    span = expand_prompt([*text, 3, *rng.integers(4, 500, size=2 * BLOCK).tolist()], [(2, 3)], 3)
+    red, blue = (cache_keys(span.ids, span.token_types, [d]) for d in (b"r" * 32, b"b" * 32))
+    on_span = span.token_types >= 0
+    assert np.array_equal(red[~on_span], span.ids[~on_span]) and (red[on_span] == image_key(b"r" * 32)).all()
+    assert (red[on_span] < 0).all() and (red[on_span] != blue[on_span]).all()
+    cache = PrefixCache(host_bytes=1 << 20, swa_bytes=1 << 20, swa_ttl=60)
+    cache.put(_entry(red), None)
+    assert cache.lookup(red, len(red) - 1).length == len(red) - 1
+    assert cache.lookup(blue, len(blue) - 1).length == len(text)  # the text before the span, no more
 
 
 def test_tiers_lru_ttl_and_disk_round_trip(tmp_path, rng):

@@ -1,7 +1,9 @@
-"""The multi-device half of ``test_sampling_mesh.py`` (run with 8 fake CPU devices).
+"""The multi-device half of ``test_sampling_mesh.py`` (run with 8 fake CPU devices); one JSON line per check.
 
-Greedy generation from the golden checkpoint with the weights sharded over a mesh (experts over ``expert``)
-and MoE layers expert-parallel; prints one JSON line per mesh with the generated tokens and the reference's.
+``dsv41 serve --mesh expert=8`` of the golden checkpoint, converted and restored straight into its shards:
+greedy completions through the openai client, their sequences split over the expert axis and MoE layers
+expert-parallel, against the reference's tokens (which one device reproduces, ``tests/serve``); a conversation
+resumed from the host tier (its global KV and rings written back into the sharded cache) against a cold run.
 Then greedy speculative decoding on a data=2 × expert=4 mesh against plain greedy decoding on one device: a
 2-layer tiny model and a one-stage drafter (random weights) keep the programs small; the drafter's Markov head
 holds the bigrams of the one-device output with one left out (``testing.bigram_drafter``), so the mesh run
@@ -12,37 +14,72 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-import jax
 import numpy as np
+import openai
+import uvicorn
 from flax import nnx
 
 from dsv41_jax import config as C
-from dsv41_jax.checkpoint.load import model_from_hf
+from dsv41_jax.checkpoint.convert import convert
 from dsv41_jax.engine.sampling import Generator, SamplingConfig
 from dsv41_jax.engram_device import device_engram
 from dsv41_jax.engram_hash import EngramHasher
 from dsv41_jax.model.dspark import DSpark
 from dsv41_jax.model.transformer import Transformer
+from dsv41_jax.serve import ServeOptions, build
 from dsv41_jax.testing import GOLDEN, bigram_drafter
 from dsv41_jax.train.step import build_mesh
 
 
-def main():
-    model, hasher = model_from_hf(GOLDEN / "tiny_hf")
-    ids = np.load(GOLDEN / "inputs.npz")["batch2_ids"]
-    ref = np.load(GOLDEN / "ref_fp32.npz")
-    want = np.concatenate([ref["batch2_decode_input_ids"], ref["batch2_decode_next_ids"][:, -1:]], axis=1)[:, :8]
-    sampling = SamplingConfig(temperature=0, max_new_tokens=8, stop_tokens=(), block=4, prefill_chunk=64)
-    for shape in ((1, 1, 2, 1),):
-        mesh = build_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
-        gen = Generator(model, device_engram(hasher), 2, 256, sampling, mesh=mesh)
-        state = gen.prefill([list(r) for r in ids])
-        spec = state.cache.rings[0][0].sharding.spec
-        got = gen.generate([list(r) for r in ids])
-        expert_w = gen.state["layers"][2]["ffn"]["experts"]["w1"]["weight"][...]
-        print(json.dumps({"mesh": shape, "tokens": got, "want": want.tolist(), "cache_spec": str(spec),
-                          "expert_shards": len({str(s.index) for s in expert_w.addressable_shards})}))
+def serve_in_thread(app) -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def served(root: Path) -> dict:
+    ids = np.load(GOLDEN / "inputs.npz")["batch2_ids"].tolist()
+    extra = np.load(GOLDEN / "inputs.npz")["batch1_ids"][0, :10].tolist()
+    want = np.load(GOLDEN / "ref_fp32.npz")["batch2_decode_input_ids"][:, :8].tolist()
+    ckpt = convert(GOLDEN / "tiny_hf", root / "ckpt", weights="fp32", progress=False).out
+    opts = ServeOptions(max_batch=8, max_seq_len=256, prefill_mode="exact", prefill_chunk=64, block=4,
+                        dtype="float32", mesh="expert=8", name="m")
+    app, scheduler = build(opts, ckpt=ckpt, log=lambda line: None)
+    client = openai.OpenAI(base_url=serve_in_thread(app), api_key="none", max_retries=0, timeout=600)
+
+    def greedy(prompt, salt, n=8):
+        r = client.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=0,
+                                      extra_body={"return_token_ids": True, "cache_salt": salt})
+        return r.choices[0].model_extra["token_ids"]
+
+    with ThreadPoolExecutor(2) as pool:  # the two golden prompts, batched together
+        tokens = list(pool.map(lambda i: greedy(ids[i], "conv"), range(2)))
+    spec = str(scheduler.state.cache.rings[0][0].sharding.spec)
+    continued = ids[0] + tokens[0] + extra
+    cold = greedy(continued, "cold")
+    with ThreadPoolExecutor(8) as pool:  # every row taken: the conversation leaves the device
+        list(pool.map(lambda i: greedy([0, 5 + i, 7], f"busy{i}", 12), range(8)))
+    hit = greedy(continued, "conv")
+    host = sum(float(line.split()[-1]) for line in scheduler.metrics.text().decode().splitlines()
+               if line.startswith('dsv41_prefix_cache_hits_total{swa="live",tier="host"}'))
+    w1 = scheduler.gen.state["layers"][2]["ffn"]["experts"]["w1"]["weight"][...]
+    scheduler.stop()
+    return {"served": True, "mesh": dict(scheduler.gen.mesh.shape), "tokens": tokens, "want": want, "cache_spec": spec,
+            "expert_shards": len({str(s.index) for s in w1.addressable_shards}), "hit": hit, "cold": cold,
+            "host_hits": host}
+
 
 
 MODEL = {"preset": "tiny", "dtype": "float32", "n_layers": 2,
@@ -75,5 +112,6 @@ def speculative() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with tempfile.TemporaryDirectory() as d:
+        print(json.dumps(served(Path(d))), flush=True)
     speculative()

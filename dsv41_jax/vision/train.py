@@ -140,8 +140,9 @@ def setup_vision(cfg, model_cfg: ModelConfig, mesh, tok_path: Path, token_map: n
 
 def caption_accuracy(graphdef, rest, state: TrainState, encode: EncodePair, seq_len: int, n: int, *, seed: int,
                      image_size: int, batch: int = 16) -> dict[str, float]:
-    """Per attribute (colour, shape, place) of held-out synthetic pairs: the fraction whose word the model
-    predicts exactly (every token argmax-correct, the caption teacher-forced up to it). Chance is 1/4 each."""
+    """Per attribute (colour, shape, place, the written word) of held-out synthetic pairs: the fraction whose
+    word the model predicts exactly (every token argmax-correct, the caption teacher-forced up to it). Chance is
+    1/4 each."""
     from dsv41_jax.vision.data import _pack_row, _stack
 
     forward = jax.jit(lambda st, mb: image_text_logits(nnx.merge(graphdef, st.params, st.biases, rest), mb)[0])
@@ -163,9 +164,11 @@ def caption_accuracy(graphdef, rest, state: TrainState, encode: EncodePair, seq_
 
 
 def _word_span(tok, caption: str, word: str) -> tuple[int, list[int]]:
-    """(index of the word's first token in the caption's tokens, its tokens)."""
+    """(index of the word's first token in the caption's tokens, its tokens), counting the space before it: a
+    byte-level tokenizer may spell that space alone (``Ġ``, ``K``, ``E``, ``Y``), and a bare space must not
+    give the word away to teacher forcing."""
     enc = tok.encode(caption, add_special_tokens=False)
-    begin = caption.index(f" {word}") + 1
-    idx = [i for i, (s, e) in enumerate(enc.offsets) if e > begin and s < begin + len(word)]
+    space = caption.index(f" {word}")
+    idx = [i for i, (s, e) in enumerate(enc.offsets) if e > space and s < space + 1 + len(word)]
     return idx[0], [enc.ids[i] for i in idx]
 

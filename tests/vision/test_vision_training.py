@@ -25,11 +25,12 @@ from dsv41_jax.vision.config import VisionTrainConfig
 from dsv41_jax.vision.data import FolderSource, TarSource, packed_pairs
 from dsv41_jax.vision.model import VisionLanguageModel
 from dsv41_jax.vision.spans import IMAGE, IMAGE_END, IMAGE_START
-from dsv41_jax.vision.synthetic import example
-from dsv41_jax.vision.train import VISION_FROZEN, caption_mask, vision_label, vision_optimizer
+from dsv41_jax.vision.synthetic import ATTRIBUTES, COLOURS, OPPOSITE, example, word_ink
+from dsv41_jax.vision.train import VISION_FROZEN, _word_span, caption_mask, vision_label, vision_optimizer
 
 PIL = pytest.importorskip("PIL.Image")
 TOKENIZER = GOLDEN / "tiny_hf" / "tokenizer.json"
+S = 112  # room for two examples of 43-51 tokens (the golden tokenizer spells captions nearly letter by letter)
 SPAN = 8  # an 84² image: 6×6 patches, a 2×2 aligner grid, 2·(2+1) + 2 positions
 
 
@@ -37,7 +38,7 @@ SPAN = 8  # an 84² image: 6×6 patches, a 2×2 aligner grid, 2·(2+1) + 2 posit
 def packed():
     cfg = C.tiny()
     vcfg = VisionTrainConfig(image_size=84, synthetic_examples=1000)
-    return cfg, packed_pairs(vcfg, cfg, TOKENIZER, build_token_map(TOKENIZER), seq_len=48, batch_size=3, seed=0)
+    return cfg, packed_pairs(vcfg, cfg, TOKENIZER, build_token_map(TOKENIZER), seq_len=S, batch_size=3, seed=0)
 
 
 def test_packing_keeps_spans_and_captions_whole(packed):
@@ -55,7 +56,7 @@ def test_packing_keeps_spans_and_captions_whole(packed):
             assert (tok[ex[1]: ex[1] + SPAN] == cfg.image_token_id).all()
             np.testing.assert_array_equal(batch["positions"][r, ex], np.arange(len(ex)))
         pad = np.flatnonzero(seg == 0)
-        assert len(pad) == 0 or (pad == np.arange(pad[0], 48)).all()  # padding only after the last example
+        assert len(pad) == 0 or (pad == np.arange(pad[0], S)).all()  # padding only after the last example
     # resuming from the state gives the same next batch
     state = ds.get_state()
     want = next(ds)
@@ -74,6 +75,57 @@ def test_captions_are_the_only_targets(packed):
     assert not mask[nxt >= 0].any()  # never predict a span position
     ends = np.flatnonzero(b["token_types"][0] == IMAGE_END)
     assert mask[0, ends].all()  # the span's last position predicts the caption's first token
+
+
+def _half(place: str, size: int) -> tuple[slice, slice]:
+    h = size // 2
+    return {"left": (slice(None), slice(0, h)), "right": (slice(None), slice(size - h, None)),
+            "top": (slice(0, h), slice(None)), "bottom": (slice(size - h, None), slice(None))}[place]
+
+
+def _best_word(gray: np.ndarray, size: int) -> str:
+    """The word whose rendering correlates best (normalised, over every offset) with ``gray``."""
+    def ncc(glyph):
+        win = np.lib.stride_tricks.sliding_window_view(gray, glyph.shape)
+        win = win - win.mean(axis=(-2, -1), keepdims=True)
+        g = glyph - glyph.mean()
+        return (np.einsum("ijhw,hw->ij", win, g) / (np.linalg.norm(win, axis=(-2, -1)) * np.linalg.norm(g))).max()
+    return max(ATTRIBUTES["word"], key=lambda w: ncc(word_ink(w, size)))
+
+
+@pytest.mark.parametrize("size", [84, 56])
+def test_synthetic_pictures_show_what_the_caption_says(size):
+    """The shape in its colour lies in the captioned half, the light letters in the other half spell the captioned
+    word (of the four, the best match of their rendering), and each attribute value comes up about 1/4 of the time."""
+    for i in range(12):
+        e = example(i, 1, size)
+        a, img = e.attributes, e.rgb.astype(np.float64)
+        assert e.caption == f"a {a['colour']} {a['shape']} on the {a['place']} and the word {a['word']}"
+        colour = np.asarray(COLOURS[a["colour"]], np.float64)
+        shape = np.linalg.norm(img / np.linalg.norm(img, axis=-1, keepdims=True) - colour / np.linalg.norm(colour),
+                               axis=-1) < 0.05
+        ink = img.min(-1) > 200  # the letters; the grey background (110 ± 12) and the colours stay below
+        assert shape.sum() > size * size / 20 and shape[_half(a["place"], size)].sum() == shape.sum()
+        assert ink.sum() > size // 8 and ink[_half(OPPOSITE[a["place"]], size)].sum() == ink.sum()
+        assert _best_word(img.mean(-1)[_half(OPPOSITE[a["place"]], size)], size) == a["word"], (i, a)
+    seen = [example(i, 2, 28).attributes for i in range(400)]
+    for name, values in ATTRIBUTES.items():
+        counts = [sum(s[name] == v for s in seen) for v in values]
+        assert min(counts) > 70 and max(counts) < 130, (name, counts)  # 100 each expected
+
+
+def test_caption_accuracy_counts_each_word_from_the_space_before_it():
+    """The evaluated tokens of an attribute word start at the space before it, even where the tokenizer spells
+    that space alone (a bare space after teacher forcing would give the word away)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    for i in range(8):
+        e = example(i)
+        ids = tok.encode(e.caption, add_special_tokens=False).ids
+        for word in e.attributes.values():
+            at, span = _word_span(tok, e.caption, word)
+            assert ids[at: at + len(span)] == span and tok.decode(span) == f" {word}", (e.caption, word)
 
 
 def test_folder_and_webdataset_sources(tmp_path):
@@ -103,14 +155,17 @@ def test_stage3_groups_freeze_the_encoder_but_its_final_norm():
     model = VisionLanguageModel(cfg, rngs=nnx.Rngs(0))
     _, params, _, _ = split_model(model)
     all_params = {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-    tower = {n for n in all_params if n.startswith(("vision.", "aligner.", "image_"))}
     frozen = {n for n in all_params if vision_label(n, True) == VISION_FROZEN}
     assert frozen == {n for n in all_params if n.startswith("vision.") and n != "vision.norm.weight"}
-    # the tower and one backbone matrix (a flat tree named like the checkpoint, as the labels read it)
-    sub = {n: all_params[n] for n in (*sorted(tower), "layers.0.attn.wq_a.weight")}
+    # one tower parameter of each kind (ViT matrix, bias, block norm, final norm, aligner matrix and bias, span
+    # delimiter) and one backbone matrix, a flat tree named like the checkpoint, as the labels read it; the
+    # frozen set is checked above over every parameter
+    kinds = ("vision.blocks.0.attn.wqkv.weight", "vision.blocks.0.attn.wqkv.bias", "vision.blocks.0.norm1.weight",
+             "vision.norm.weight", "aligner.w2.weight", "aligner.w2.bias", "image_start")
+    sub = {n: all_params[n] for n in (*kinds, "layers.0.attn.wq_a.weight")}
     grads = jax.tree.map(jnp.ones_like, sub)
     ocfg = OptimConfig(lr=1e-2, warmup_steps=1)
-    for freeze, trained in ((True, tower - frozen), (False, tower)):
+    for freeze, trained in ((True, set(kinds) - frozen), (False, set(kinds))):
         tx = vision_optimizer(cfg, ocfg, VisionTrainConfig(freeze_encoder=freeze, lr_mult=0.5))
         updates, _ = tx.update(grads, tx.init(sub), sub)
         moved = {n for n, u in updates.items() if np.abs(np.asarray(u)).max() > 0}

@@ -223,8 +223,9 @@ class Transformer(nnx.Module):
             if block.spec.engram:
                 with jax.named_scope("engram"):
                     x = block.engram(x, engram_rows[:, :, cfg.engram.layer_ids.index(i)], is_image)
-            if collect and i in cfg.dspark.target_layer_ids:
-                t = t._replace(targets=t.targets + (x.astype(jnp.float32).mean(axis=2).astype(x.dtype),))
+            if collect and i in cfg.dspark.target_layer_ids:  # once per listing: a layer may be named twice
+                feature = x.astype(jnp.float32).mean(axis=2).astype(x.dtype)
+                t = t._replace(targets=t.targets + (feature,) * cfg.dspark.target_layer_ids.count(i))
             x, pre, shared, r = run_block(block, x, pre, shared, is_image, vis, publish)
             x, pre, shared, step = _after_block(block.spec, x, pre, shared)
             t = _record(t, i, r, *step)

@@ -157,9 +157,7 @@ def finetuned(tmp_path_factory):
         "data": {"max_documents": 30, "seq_len": 32, "batch_size": 2},
         "optim": {"lr": 1.0e-2, "warmup_steps": 1, "constant_until": 10, "decay_until": 20, "total_steps": 30,
                   "ns_steps": 1, "ns_tail_steps": 0, "sinkhorn_iters": 1, "indexer_kl_weight": 0.0},
-        # the drafter is exported as it came (its target layers are not all in this two-layer stack)
-        "posttrain": {"init_from": str(root / "src"), "lm_weight": 1.0, "drafter": {"train": False}}},
-        "export test"), log=lambda _: None)
+        "posttrain": {"init_from": str(root / "src"), "lm_weight": 1.0}}, "export test"), log=lambda _: None)
     return root
 
 

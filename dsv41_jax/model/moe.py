@@ -77,8 +77,12 @@ class StackedLinear(nnx.Module):
         self.native = native
 
     def stored(self) -> tuple[Array, ...]:
-        """The stored arrays: ``(weight,)``, or ``(codes, scale)`` when native."""
-        return (self.weight[...], self.scale[...]) if self.native else (self.weight[...],)
+        """The stored arrays: ``(weight,)``, or ``(codes, scale)`` when native.
+
+        As JAX arrays: a model restored from a converted checkpoint may hold NumPy values, which a jitted
+        caller closes over as constants."""
+        held = (self.weight[...], self.scale[...]) if self.native else (self.weight[...],)
+        return tuple(jnp.asarray(a) for a in held)
 
     def dense(self, dtype) -> Float[Array, "E Y X"]:
         """All experts as ``dtype`` matrices (dequantised on the fly when native; exact in bf16 and fp32)."""

@@ -160,7 +160,8 @@ def _cmd_sample(args) -> int:
            max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, temperature=args.temperature,
            top_k=args.top_k, top_p=args.top_p, seed=args.seed, prefill_mode=args.prefill_mode,
            prefill_chunk=args.prefill_chunk, dtype=args.dtype, show_ids=args.show_ids, mesh=args.mesh,
-           speculative=args.speculative, drafter=args.drafter, sps=args.sps, images=args.image)
+           speculative=args.speculative, drafter=args.drafter, sps=args.sps,
+           verify_widths=args.verify_widths, images=args.image)
     return 0
 
 
@@ -175,7 +176,11 @@ def _cmd_profile_sps(args) -> int:
 
     loaded = load_model(run=args.run, ckpt=args.ckpt, hf_dir=args.hf_dir, dtype=args.dtype)
     drafts = args.drafts or loaded.model.cfg.dspark.block_size
-    table = profile_sps(loaded.model, device_engram(loaded.hasher), args.batch, drafts, context=args.context)
+    try:
+        table = profile_sps(loaded.model, device_engram(loaded.hasher), args.batch, drafts,
+                            widths=args.verify_widths or (), context=args.context)
+    except ValueError as err:
+        raise C.ConfigError(f"--verify-widths: {err}") from None
     Path(args.out).write_text(json.dumps(table, indent=1))
     for w, r in zip(table["widths"], table["steps_per_s"], strict=True):
         print(f"batch {args.batch} x {w} verify rows: {r:9.1f} steps/s")
@@ -331,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--config configs/dspark_tiny.yaml) instead of the checkpoint's own mtp.* stages")
     p.add_argument("--sps", help="with --speculative: the table dsv41 profile-sps wrote; each step's verify lengths "
                    "are then chosen from the drafter's confidences (spec §8.4) instead of a fixed K")
+    p.add_argument("--verify-widths", type=A.widths, metavar="W1,W2,...",
+                   help="with --speculative: the verify chunk's compiled widths (rows per request, the widest K + 1; "
+                   "default K + 1, and with --sps the widths the table was measured at)")
     p.add_argument("--image", action="append", help="an image file or data: URL for the next <image> of the "
                    "prompts (repeat, in order)")
     _add_mesh(p)
@@ -341,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=A.at_least(1), default=1)
     p.add_argument("--drafts", type=A.at_least(0), default=0, help="largest drafts per step (0: the block size)")
     p.add_argument("--context", type=A.at_least(1), default=256, help="tokens in the cache before the verify")
+    p.add_argument("--verify-widths", type=A.widths, metavar="W1,W2,...",
+                   help="the verify widths to compile and measure (rows per request, the widest drafts + 1; default "
+                   "the powers of two below it and drafts + 1); sampling with the table compiles the same")
     p.add_argument("--dtype", "--precision", dest="dtype", default="bfloat16", type=_precision)
     p.add_argument("--out", default="sps.json")
     p.set_defaults(fn=_cmd_profile_sps)

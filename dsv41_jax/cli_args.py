@@ -69,6 +69,14 @@ def speculative(text: str) -> int:
     return int(k) if k else 0
 
 
+def widths(text: str) -> tuple[int, ...]:
+    """``1,2,5`` -> ``(1, 2, 5)``: the verify chunk's compiled widths (rows per request), each ≥ 1."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected widths ≥ 1 separated by commas, e.g. 1,2,5")
+    return tuple(sorted({int(p) for p in parts}))
+
+
 def boundaries(text: str) -> list[int | None]:
     """``cold,64,128`` -> ``[None, 64, 128]``: cache-hit positions (cold: no hit)."""
     out: list[int | None] = []

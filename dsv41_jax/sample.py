@@ -20,6 +20,7 @@ from dsv41_jax.compile_cache import CompileNotice
 from dsv41_jax.config import ConfigError
 from dsv41_jax.engine.mesh import load_for_serving
 from dsv41_jax.engine.sampling import Generator, SamplingConfig, SpeculativeError, validate_prompts
+from dsv41_jax.engine.speculative import verify_widths as speculative_widths
 from dsv41_jax.engram_device import device_engram
 
 
@@ -65,7 +66,7 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
            prefill_mode: str = "exact", prefill_chunk: int = 512, dtype: str = "bfloat16",
            show_ids: bool = False, mesh: str | None = None, speculative: int | None = None,
            drafter: str | os.PathLike | None = None, sps: str | os.PathLike | None = None,
-           images: Sequence[str] | None = None,
+           verify_widths: Sequence[int] | None = None, images: Sequence[str] | None = None,
            log: Callable[[str], None] = _print, write: Callable[[str], None] | None = None) -> list[list[int]]:
     """Sample continuations of text ``prompts`` (or token-id prompts ``ids``) from one checkpoint source.
 
@@ -78,10 +79,14 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
     ``K`` drafts per step (0: its block size), or with ``run`` the drafter its post-training kept in step; the
     acceptance counts are logged at the end. ``drafter``: a
     ``drafter.npz`` that DSpark training wrote (``dsv41 train`` of a ``dspark_train`` config) instead. ``sps``:
-    the steps-per-second table of ``dsv41 profile-sps``: confidence-scheduled verify lengths.
+    the steps-per-second table of ``dsv41 profile-sps``: confidence-scheduled verify lengths, at the verify
+    widths the table was measured at. ``verify_widths`` (``--verify-widths``): the verify chunk's compiled widths
+    (rows per request, the widest ``K + 1``); with ``sps`` they must be the table's.
     ``images`` (``--image``, paths or data: URLs): one per ``<image>`` of the prompts, in order; each becomes
     its span through the checkpoint's vision tower (spec model §7).
     """
+    if (verify_widths or sps is not None) and speculative is None:
+        raise ConfigError(f"{'--verify-widths' if verify_widths else '--sps'} needs --speculative")
     loaded, on = load_for_serving(mesh, run=run, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype, log=log)
     if loaded.step is not None:
         log(f"sampling from {run} step {loaded.step}")
@@ -96,38 +101,22 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
                               "in its config); or give a checkpoint with --ckpt / --hf-dir")
         vision, batch = _image_prompts(batch, images, cfg, ckpt=ckpt, hf_dir=hf_dir, dtype=dtype,
                                        model=loaded.model if run is not None else None)
-    draft_model = None
+    draft_model, widths, table = None, tuple(verify_widths or ()), ()
     if speculative is not None:
-        if drafter is not None:
-            from dsv41_jax.train.dspark import load_drafter_npz
-
-            try:
-                draft_model = load_drafter_npz(drafter, cfg)
-            except (OSError, ValueError) as err:
-                raise ConfigError(f"--drafter {drafter}: {err}") from None
-        elif run is not None:
-            from dsv41_jax.posttrain.drafter import run_drafter
-
-            draft_model = run_drafter(run, cfg)  # a post-training run's drafter kept in step, if it has one
-            if draft_model is None:
-                raise ConfigError("--speculative: this training run holds no DSpark drafter; give --drafter "
-                                  "DRAFTER.npz (DSpark training's output) or sample from --ckpt / --hf-dir")
-        else:
-            draft_model = load_drafter(cfg, ckpt=ckpt, hf_dir=hf_dir)
+        draft_model = _drafter(cfg, run=run, ckpt=ckpt, hf_dir=hf_dir, drafter=drafter)
         speculative = speculative or cfg.dspark.block_size
-    table = ()
-    if sps is not None:
-        import json
-
+        if sps is not None:
+            table, widths = _sps_table(sps, speculative, widths)
         try:
-            table = tuple(float(x) for x in json.loads(Path(sps).read_text())["sps"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ConfigError(f"--sps {sps}: not a table written by dsv41 profile-sps ({err})") from None
+            widths = speculative_widths(speculative, bool(table), widths)
+        except ValueError as err:
+            raise ConfigError(f"--verify-widths: {err}") from None
     try:  # before anything compiles: a prompt that cannot be generated from is the user's one-line error
         validate_prompts(batch, len(batch), cfg.vocab_size, max_seq_len)
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                                   stop_tokens=(cfg.eos_token_id,), prefill_mode=prefill_mode,
-                                  prefill_chunk=prefill_chunk, speculative=speculative or 0, sps=table)
+                                  prefill_chunk=prefill_chunk, speculative=speculative or 0, sps=table,
+                                  verify_widths=widths)
         gen = Generator(loaded.model, device_engram(loaded.hasher), len(batch), max_seq_len, sampling, mesh=on,
                         drafter=draft_model)
     except ValueError as err:
@@ -165,6 +154,46 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
     if speculative:
         log(acceptance_report(gen.stats))
     return outs
+
+
+def _drafter(cfg, *, run, ckpt, hf_dir, drafter):
+    """The DSpark drafter of ``--speculative``: a ``--drafter`` npz, a post-training run's own, or the checkpoint's
+    ``mtp.*`` stages."""
+    if drafter is not None:
+        from dsv41_jax.train.dspark import load_drafter_npz
+
+        try:
+            return load_drafter_npz(drafter, cfg)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"--drafter {drafter}: {err}") from None
+    if run is not None:
+        from dsv41_jax.posttrain.drafter import run_drafter
+
+        kept = run_drafter(run, cfg)  # a post-training run's drafter kept in step, if it has one
+        if kept is None:
+            raise ConfigError("--speculative: this training run holds no DSpark drafter; give --drafter "
+                              "DRAFTER.npz (DSpark training's output) or sample from --ckpt / --hf-dir")
+        return kept
+    return load_drafter(cfg, ckpt=ckpt, hf_dir=hf_dir)
+
+
+def _sps_table(path, k: int, widths: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """``(sps, widths)`` of a ``dsv41 profile-sps`` table: the verify widths are the ones it was measured at, so a
+    scheduled step costs what the table says. A ConfigError names a table for another K or other widths."""
+    import json
+
+    try:
+        raw = json.loads(Path(path).read_text())
+        table, measured = tuple(float(x) for x in raw["sps"]), tuple(int(w) for w in raw["widths"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"--sps {path}: not a table written by dsv41 profile-sps ({err})") from None
+    if measured[-1] != k + 1:
+        raise ConfigError(f"--sps {path}: measured up to {measured[-1] - 1} drafts per step, but --speculative "
+                          f"verifies {k}; profile with dsv41 profile-sps --drafts {k}")
+    if widths and tuple(sorted(set(widths))) != measured:
+        raise ConfigError(f"--verify-widths {','.join(map(str, widths))}: the --sps table {path} was measured at "
+                          f"widths {','.join(map(str, measured))}; profile again with those --verify-widths")
+    return table, measured
 
 
 def acceptance_report(stats: dict) -> str:

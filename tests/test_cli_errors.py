@@ -43,6 +43,10 @@ def _error(capsys, argv: list[str], code: int = 2) -> str:
     (["eval-served", "--run", "r", "--data", "d", "--boundaries", "cold,-3"], "argument --boundaries: 'cold,-3': "
      "expected 'cold' or positive positions, comma-separated ('-3' is neither)"),
     (["eval-served", "--run", "r", "--data", "d", "--batch-size", "0"], "argument --batch-size: 0: must be ≥ 1"),
+    (["sample", "--hf-dir", HF, "--ids", "1", "--verify-widths", "0,2"], "argument --verify-widths: '0,2': expected "
+     "widths ≥ 1 separated by commas"),
+    (["sample", "--hf-dir", HF, "--ids", "1", "--verify-widths", "1,3"], "error: --verify-widths needs --speculative"),
+    (["sample", "--hf-dir", HF, "--ids", "1", "--sps", "sps.json"], "error: --sps needs --speculative"),
 ])
 def test_option_ranges(capsys, argv, message):
     assert message in _error(capsys, argv)
@@ -72,3 +76,22 @@ def test_make_fake_hf_refuses_to_replace_a_checkpoint(tmp_path, capsys):
     assert names == ["config.json", *(f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)),
                      "model.safetensors.index.json", "notes.txt", "tokenizer.json", "tokenizer_config.json"], names
     assert "text_config" in json.loads((out / "config.json").read_text())
+
+
+def test_speculative_verify_widths_and_sps_tables(tmp_path, capsys):
+    """A steps-per-second table fixes the verify widths it was measured at: other widths or another K is refused
+    by name, before anything compiles."""
+    table = tmp_path / "sps.json"
+    table.write_text(json.dumps({"batch": 1, "context": 8, "widths": [1, 3], "steps_per_s": [9.0, 7.0],
+                                 "sps": [9.0, 9.0, 7.0, 7.0]}))
+    spec = ["sample", "--hf-dir", HF, "--ids", "5,6,7", "--dtype", "fp32", "--speculative", "dspark:2"]
+    assert _error(capsys, [*spec, "--sps", str(table), "--verify-widths", "2,3"]) == (
+        f"error: --verify-widths 2,3: the --sps table {table} was measured at widths 1,3; profile again with those "
+        "--verify-widths")
+    assert _error(capsys, [*spec[:-1], "dspark:4", "--sps", str(table)]) == (
+        f"error: --sps {table}: measured up to 2 drafts per step, but --speculative verifies 4; profile with dsv41 "
+        "profile-sps --drafts 4")
+    assert _error(capsys, [*spec, "--verify-widths", "2,5"]).startswith(
+        "error: --verify-widths: verify widths (2, 5): each must lie in 1..3")
+    table.write_text(json.dumps({"sps": [1.0]}))
+    assert _error(capsys, [*spec, "--sps", str(table)]).startswith(f"error: --sps {table}: not a table written by")

@@ -366,6 +366,7 @@ def test_impossible_topology_in_python_construction(attention, key):
     ("engram: {layer_ids: [1, 4, 5]}\n", "engram"),  # one num_embeddings entry per layer
     ("engram: {layer_ids: [1, 12]}\n", "engram.layer_ids"),  # not a backbone layer
     ("dspark: {target_layer_ids: [9, 10, 12]}\n", "dspark.target_layer_ids"),
+    ("dspark: {target_layer_ids: [9, 11, 10]}\n", "layer order"),  # features are concatenated in layer order
     ("moe: {n_activated_experts: 9}\n", "n_activated_experts"),
     ("moe: {score_func: softmax}\n", "moe.score_func"),
     ("dtype: float16\n", "dtype"),

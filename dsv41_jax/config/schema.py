@@ -315,6 +315,9 @@ def validate(cfg: ModelConfig, source: str | None = None) -> None:
         fail("engram.max_ngram_size must be ≥ 2 and engram.head_dim a multiple of 32", source)
     if any(not 0 <= t < n for t in cfg.dspark.target_layer_ids):
         fail(f"dspark.target_layer_ids must be backbone layers < {n}", source)
+    if list(cfg.dspark.target_layer_ids) != sorted(cfg.dspark.target_layer_ids):
+        fail(f"dspark.target_layer_ids {list(cfg.dspark.target_layer_ids)} must be in layer order (the features are "
+             "concatenated as the stack passes the layers)", source)
     mo = cfg.moe
     if not 0 < mo.n_activated_experts <= mo.n_routed_experts or mo.n_shared_experts != 1:
         fail("moe: need 0 < n_activated_experts ≤ n_routed_experts and exactly one shared expert", source)

@@ -18,6 +18,7 @@ kept tokens only. The drafter's rings then observe the target features of every 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -236,12 +237,24 @@ def speculative_step(model: Transformer, drafter: DSpark, tables: DeviceEngram, 
     return SpecState(cache, dcache, nxt, history, n_seen, done, s.keys, s.step + 1, emitted, stats), out
 
 
-def profile_sps(model: Transformer, tables: DeviceEngram, batch: int, max_drafts: int, *, context: int = 256,
-                repeats: int = 5, seed: int = 0) -> dict:
-    """The target's verify steps per second at ``batch`` requests, for chunks of ``w`` = 1 .. ``max_drafts`` + 1
-    rows per request after a ``context``-token prefill (random ids): what :func:`schedule_verify`'s table is
-    made of. Returns ``{"batch", "context", "widths", "steps_per_s", "sps"}`` with ``sps[n]`` the steps per
-    second at ``n`` verified tokens in the batch (a chunk of ⌈n / batch⌉ rows per request)."""
+def sps_by_tokens(batch: int, widths: Sequence[int], rates: Sequence[float]) -> list[float]:
+    """The steps-per-second table :func:`schedule_verify` reads, ``sps[n]`` for ``n`` = 0 .. ``batch`` ·
+    ``widths[-1]`` verified tokens in the batch: the rate of the narrowest compiled width that holds ⌈n / batch⌉
+    rows per request, the chunk the engine would run (``rates[i]`` is the rate at ``widths[i]``, ascending)."""
+    out = []
+    for n in range(batch * widths[-1] + 1):
+        rows = max(1, -(-n // batch))
+        out.append(float(rates[next(i for i, w in enumerate(widths) if w >= rows)]))
+    return out
+
+
+def profile_sps(model: Transformer, tables: DeviceEngram, batch: int, max_drafts: int, *, widths: Sequence[int] = (),
+                context: int = 256, repeats: int = 5, seed: int = 0) -> dict:
+    """The target's verify steps per second at ``batch`` requests for each compiled verify width (rows per
+    request; :func:`verify_widths` of ``max_drafts`` with scheduling, or ``widths`` as given), after a
+    ``context``-token prefill (random ids): what :func:`schedule_verify`'s table is made of. Returns ``{"batch",
+    "context", "widths", "steps_per_s", "sps"}`` with ``sps[n]`` (:func:`sps_by_tokens`) the steps per second at
+    ``n`` verified tokens in the batch. Sampling with the table compiles the same widths."""
     import time
 
     import numpy as np
@@ -249,6 +262,7 @@ def profile_sps(model: Transformer, tables: DeviceEngram, batch: int, max_drafts
 
     from dsv41_jax.engram_device import device_history_init
 
+    widths = verify_widths(max_drafts, True, tuple(widths))
     cfg = model.cfg
     graphdef, state = nnx.split(model)
     ratio = max((cfg.attention.compress_ratios[layer] for layer in cfg.attention.kv_source_layers), default=1)
@@ -266,7 +280,7 @@ def profile_sps(model: Transformer, tables: DeviceEngram, batch: int, max_drafts
     ids = jnp.asarray(rng.integers(4, cfg.vocab_size, (batch, context)), jnp.int32)
     _, cache, *_ = verify(state, cache, history, n_seen, ids)
     history, n_seen = advance_history(tables, history, n_seen, ids, jnp.full((batch,), context, jnp.int32))
-    widths, rates = list(range(1, max_drafts + 2)), []
+    rates = []
     for w in widths:
         tokens = jnp.asarray(rng.integers(4, cfg.vocab_size, (batch, w)), jnp.int32)
         jax.block_until_ready(verify(state, cache, history, n_seen, tokens))  # compile
@@ -276,5 +290,5 @@ def profile_sps(model: Transformer, tables: DeviceEngram, batch: int, max_drafts
             jax.block_until_ready(verify(state, cache, history, n_seen, tokens))
             times.append(time.perf_counter() - tick)
         rates.append(1.0 / float(np.median(times)))
-    sps = [rates[max(1, -(-n // batch)) - 1] for n in range(batch * widths[-1] + 1)]
-    return {"batch": batch, "context": context, "widths": widths, "steps_per_s": rates, "sps": sps}
+    return {"batch": batch, "context": context, "widths": list(widths), "steps_per_s": rates,
+            "sps": sps_by_tokens(batch, widths, rates)}

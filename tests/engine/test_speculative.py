@@ -22,7 +22,8 @@ from flax import nnx
 
 from dsv41_jax import cache as C
 from dsv41_jax.engine.sampling import Generator, SamplingConfig
-from dsv41_jax.engine.speculative import accept_greedy, accept_sampled, rollback, schedule_verify
+from dsv41_jax.engine.speculative import (accept_greedy, accept_sampled, profile_sps, rollback, schedule_verify,
+                                          sps_by_tokens)
 from dsv41_jax.engram_device import device_engram
 from dsv41_jax.engram_hash import EngramHasher
 from dsv41_jax.model.dspark import DSpark
@@ -50,7 +51,7 @@ def spec(tiny8_cfg):
     prompts = [list(rng.integers(4, 500, n)) for n in (16, 7, 12)]  # ragged; CED narrows the 16-token prompt
     gen = Generator(model, tables, len(prompts), 64, sampling, drafter=drafter)
     plain = gen.generate(prompts, speculative=False)
-    return dict(gen=gen, drafter=drafter, prompts=prompts, plain=plain, cfg=cfg)
+    return dict(gen=gen, drafter=drafter, prompts=prompts, plain=plain, cfg=cfg, model=model)
 
 
 def emitted_per_step(gen: Generator, prompts, n_steps: int) -> tuple[np.ndarray, list]:
@@ -258,3 +259,20 @@ def test_confidence_schedule_is_the_best_prefix_choice():
     assert 0 < got.sum() < 8  # the curve binds: neither every draft nor none
     np.testing.assert_array_equal(schedule_verify(conf, live, jnp.ones((16,))), [4, 0, 4])
     np.testing.assert_array_equal(schedule_verify(conf, live, jnp.array([1.0, 1.0, 1.0, 0.01])), [0, 0, 0])
+
+
+def test_sps_table_charges_the_compiled_width():
+    # 2 requests, compiled widths 1, 2, 5: n verified tokens run ⌈n / 2⌉ rows per request, rounded up to a width
+    got = sps_by_tokens(2, (1, 2, 5), (30.0, 20.0, 10.0))
+    assert got == [30.0, 30.0, 30.0, 20.0, 20.0] + [10.0] * 6
+
+
+def test_profile_sps_measures_the_compiled_widths(spec):
+    # only the widths given are measured (one: K + 1 = 4, the shape of the 4-token context's prefill, so the
+    # profile compiles one program); every token count is charged that width's rate
+    model, tables = spec["model"], spec["gen"].tables
+    table = profile_sps(model, tables, 2, 3, widths=(4,), context=4, repeats=1)
+    assert table["widths"] == [4] and len(table["steps_per_s"]) == 1 and table["steps_per_s"][0] > 0
+    assert table["sps"] == table["steps_per_s"] * (2 * 4 + 1)
+    with pytest.raises(ValueError, match="must be one of them"):
+        profile_sps(model, tables, 2, 3, widths=(1, 2))

@@ -246,18 +246,21 @@ def _add_mesh(p: argparse.ArgumentParser) -> None:
                    "(e.g. expert=8); a --ckpt is restored straight into its shards")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in JAX")
-    parser.add_argument("--version", action="version", version=f"dsv41-jax {_version()}")
-    parser.add_argument("--compile-cache", metavar="DIR|off", help="JAX's persistent compilation cache (default: "
-                        "$DSV41_COMPILE_CACHE, else ~/.cache/dsv41_jax/xla); off: none")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _inspection_commands(sub) -> None:
+    """The config's topology, parameter counts and KV-cache ledger."""
     p = sub.add_parser("topology", help="print the per-layer CSA2 topology of a config")
     p.add_argument("--config", default="v41_flash")
     p.set_defaults(fn=_cmd_topology)
     p = sub.add_parser("params", help="parameter counts of a config (abstract, no memory)")
     p.add_argument("--config", default="v41_flash")
     p.set_defaults(fn=_cmd_params)
+    p = sub.add_parser("ledger", help="KV-cache bytes per token and per sequence of a config")
+    p.add_argument("--config", default="v41_flash")
+    p.set_defaults(fn=_cmd_ledger)
+
+
+def _checkpoint_commands(sub) -> None:
+    """Release checkpoints in and out: score, convert, export, a random one, a run's plots."""
     p = sub.add_parser("score", help="run a release-format HF checkpoint and compare with reference outputs")
     _add_checkpoint_source(p)
     p.add_argument("--param-dtype", choices=["float32", "bfloat16"],
@@ -308,9 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=A.at_least(0), default=0)
     p.add_argument("--shard-mb", type=A.above(0), default=64, help="target shard size")
     p.set_defaults(fn=_cmd_make_fake_hf)
-    p = sub.add_parser("ledger", help="KV-cache bytes per token and per sequence of a config")
-    p.add_argument("--config", default="v41_flash")
-    p.set_defaults(fn=_cmd_ledger)
+
+
+def _generation_commands(sub) -> None:
+    """Sampling, speculative decoding's table, the server and the served-path evaluation."""
     p = sub.add_parser("sample", help="generate from a training run, a converted (Orbax) or a release-format "
                        "checkpoint")
     _add_checkpoint_source(p, run=True)
@@ -379,6 +383,24 @@ def build_parser() -> argparse.ArgumentParser:
                    "file:// URL) inside DIR; without it only data: URLs are read")
     _add_mesh(p)
     p.set_defaults(fn=_cmd_serve)
+    p = sub.add_parser("eval-served", help="gap between the exact forward and the served path (FP4 cache, CED, "
+                       "bounded replay) on held-out prompt/response jsonl")
+    _add_checkpoint_source(p, run=True)
+    _add_mesh(p)
+    p.add_argument("--data", required=True, action="append", help="jsonl of prompt/response pairs (repeatable)")
+    p.add_argument("--boundaries", type=A.boundaries, default="cold",
+                   help="cache-hit positions, comma-separated; cold = no hit")
+    p.add_argument("--ablations", action="store_true", help="also each approximation alone (simulated path)")
+    p.add_argument("--batch-size", type=A.at_least(1), default=8)
+    p.add_argument("--max-len", type=A.at_least(2), default=256, help="tokens per conversation (longer ones are cut)")
+    p.add_argument("--max-pairs", type=A.at_least(1), default=256)
+    p.add_argument("--cut", type=A.at_least(0), help="CED cut layer (default: the engines' cut, candidate source + 1)")
+    p.add_argument("--out", help="append one JSON line per table row here")
+    p.set_defaults(fn=_cmd_eval_served)
+
+
+def _training_commands(sub) -> None:
+    """Pre-training from a run config."""
     p = sub.add_parser("train", help="pre-train from a YAML run config (model, optim, mesh, data, checkpoint)")
     p.add_argument("--config", required=True, help="run config: a YAML file, or a shipped one by name "
                    "(pretrain_tiny, qat_tiny, v41_flash_pretrain; configs/NAME.yaml works from any directory)")
@@ -395,20 +417,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "many devices (default: those present; for --aot / --collectives a count given here is made of "
                    "fake CPU devices)")
     p.set_defaults(fn=_cmd_train)
-    p = sub.add_parser("eval-served", help="gap between the exact forward and the served path (FP4 cache, CED, "
-                       "bounded replay) on held-out prompt/response jsonl")
-    _add_checkpoint_source(p, run=True)
-    _add_mesh(p)
-    p.add_argument("--data", required=True, action="append", help="jsonl of prompt/response pairs (repeatable)")
-    p.add_argument("--boundaries", type=A.boundaries, default="cold",
-                   help="cache-hit positions, comma-separated; cold = no hit")
-    p.add_argument("--ablations", action="store_true", help="also each approximation alone (simulated path)")
-    p.add_argument("--batch-size", type=A.at_least(1), default=8)
-    p.add_argument("--max-len", type=A.at_least(2), default=256, help="tokens per conversation (longer ones are cut)")
-    p.add_argument("--max-pairs", type=A.at_least(1), default=256)
-    p.add_argument("--cut", type=A.at_least(0), help="CED cut layer (default: the engines' cut, candidate source + 1)")
-    p.add_argument("--out", help="append one JSON line per table row here")
-    p.set_defaults(fn=_cmd_eval_served)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in JAX")
+    parser.add_argument("--version", action="version", version=f"dsv41-jax {_version()}")
+    parser.add_argument("--compile-cache", metavar="DIR|off", help="JAX's persistent compilation cache (default: "
+                        "$DSV41_COMPILE_CACHE, else ~/.cache/dsv41_jax/xla); off: none")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _inspection_commands(sub)
+    _checkpoint_commands(sub)
+    _generation_commands(sub)
+    _training_commands(sub)
     return parser
 
 

@@ -25,18 +25,27 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def fake_cpu_env(n_devices: int = 8) -> dict[str, str]:
+    """This process's environment for a child Python with ``n_devices`` fake CPU devices: the device count
+    added to the XLA flags already set (the test session's among them), any other count replaced."""
+    import os
+
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    return dict(os.environ, XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={n_devices}"]),
+                JAX_PLATFORMS="cpu")
+
+
 def run_on_fake_cpus(script, n_devices: int = 8, timeout: int = 900) -> list[dict]:
     """Run ``script`` in a child Python with ``n_devices`` fake CPU devices; its JSON lines, parsed.
 
     A child is needed because the test process has already initialised JAX with one device.
     """
     import json
-    import os
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run([sys.executable, str(script)], env=fake_cpu_env(n_devices), capture_output=True, text=True,
+                         timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert rows, out.stdout[-2000:]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from dsv41_jax import config as C
 from dsv41_jax.model.moe import RouterBias
 from dsv41_jax.model.transformer import Transformer
 from dsv41_jax.sharding import LOGICAL_RULES, PARAM_AXES, logical_to_mesh, state_partition_specs
+from dsv41_jax.testing import fake_cpu_env
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 MESH_SHAPE = (2, 2, 2, 1)
@@ -195,7 +195,7 @@ _CHILD = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def eight_devices() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = fake_cpu_env(8)
     proc = subprocess.run([sys.executable, "-c", _CHILD, "Explicit", "Auto"], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

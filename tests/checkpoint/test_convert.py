@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from dsv41_jax.checkpoint.inventory import expected_inventory
 from dsv41_jax.checkpoint.load import model_from_orbax
 from dsv41_jax.checkpoint.progress import Progress
 from dsv41_jax.checkpoint.tree import flat_variables
+from dsv41_jax.testing import fake_cpu_env
 
 
 def _stored_dtype(name: str) -> str:
@@ -184,6 +184,6 @@ def test_sharded_restore_on_eight_devices(tiny_converted):
         assert split > 50, split
         print("ok", split)
     """)
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = fake_cpu_env(8)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

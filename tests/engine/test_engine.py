@@ -212,6 +212,7 @@ def test_bounded_replay_keeps_global_kv_and_ignores_lost_state(env):
     assert 0 < np.median(err) < 0.5
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores
 @CPU_EXACT
 def test_ced_equals_exact_with_truncated_decoder_windows(env):
     cfg = env["model"].cfg

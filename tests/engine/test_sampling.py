@@ -65,6 +65,7 @@ def test_samplers():
         assert np.isin(many[:, i], order[:n]).all()
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores
 def test_chunked_ced_prefill_equals_one_chunk_ced(golden_generator, golden_dir):
     """Generation with CED prefill in 64-token chunks (layers after the cut skipped on non-final chunks,
     prompts right-aligned so each ends in the final chunk) gives the one-chunk CED prefill's logits."""

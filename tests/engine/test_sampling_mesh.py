@@ -25,6 +25,7 @@ def rows():
     return run_on_fake_cpus(Path(__file__).with_name("mesh_child.py"))
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores
 def test_greedy_generation_served_on_an_expert_parallel_mesh(rows):
     (r,) = [r for r in rows if r.get("served")]
     assert r["mesh"] == {"data": 1, "fsdp": 1, "expert": 8, "tensor": 1}

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
+import pytest
 
 from dsv41_jax import cache as C
 from dsv41_jax import config
+from dsv41_jax.testing import fake_cpu_env
 
 
 def test_cache_specs_follow_batch_and_sequence_axes():
@@ -23,8 +24,9 @@ def test_cache_specs_follow_batch_and_sequence_axes():
     assert tuple(specs.sources[0].carry_c) == ("data", None)  # the carry has no entry axis
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores
 def test_sharded_decode_equals_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = fake_cpu_env(8)
     child = Path(__file__).with_name("sharded_decode_child.py")
     proc = subprocess.run([sys.executable, str(child)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

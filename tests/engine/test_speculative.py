@@ -22,8 +22,14 @@ from flax import nnx
 
 from dsv41_jax import cache as C
 from dsv41_jax.engine.sampling import Generator, SamplingConfig
-from dsv41_jax.engine.speculative import (accept_greedy, accept_sampled, profile_sps, rollback, schedule_verify,
-                                          sps_by_tokens)
+from dsv41_jax.engine.speculative import (
+    accept_greedy,
+    accept_sampled,
+    profile_sps,
+    rollback,
+    schedule_verify,
+    sps_by_tokens,
+)
 from dsv41_jax.engram_device import device_engram
 from dsv41_jax.engram_hash import EngramHasher
 from dsv41_jax.model.dspark import DSpark

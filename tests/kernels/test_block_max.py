@@ -158,6 +158,7 @@ def _hard_rows(rng, r: int, n: int) -> np.ndarray:
     return x
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores
 def test_radix_kernel_passes_interpreted():
     """The Mosaic GPU passes (interpreted) find the same k-th largest key as the XLA passes: several CTAs
     per row, several tiles per CTA, padded tails, heavy ties, ±0 and ±∞, a half −∞ row, k = 1, k inside

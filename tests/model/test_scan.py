@@ -77,6 +77,7 @@ def both():
     return out
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores
 def test_scanned_equals_unrolled(both):
     (v1, e1, kl1, g1), (v0, e0, kl0, g0) = both[True], both[False]
     assert len(e1) == len(e0) == C.tiny().n_layers

@@ -8,7 +8,6 @@ second CPU core while the in-process tests run, instead of adding to the wall ti
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +16,14 @@ import pytest
 
 from dsv41_jax import config as C
 from dsv41_jax.model.transformer import abstract_model
+from dsv41_jax.testing import fake_cpu_env
 
 _CHILD = Path(__file__).with_name("sharded_child.py")
 _started: dict[str, subprocess.Popen] = {}
 
 
 def _start_child() -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = fake_cpu_env(8)
     return subprocess.Popen([sys.executable, str(_CHILD)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -86,6 +86,7 @@ def test_distill_term_vanishes_when_the_served_path_is_exact(setup):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores
 def test_distill_gradient_is_the_detached_teacher_kl_gradient(setup):
     """With encoder replay the served path differs: the step's extra gradient (weight w minus weight 0, over w)
     is ∇f of f(θ') = Σ KL(exact_θ ‖ served_θ') / n, f falls along −∇f, and central differences agree."""

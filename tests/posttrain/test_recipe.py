@@ -74,6 +74,7 @@ def test_chat_template_and_loss_mask(source):
     np.testing.assert_array_equal(np.flatnonzero(cut["loss_mask"]), [n - 1, n])
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores
 def test_finetune_from_a_run_learns_and_resumes(source, tmp_path):
     """QAT + replay steps from a pre-training run learn and resume; the DSpark drafter (given as a drafter.npz)
     trains alongside: its loss falls, the backbone's update is the plain post-training step's bit for bit, and

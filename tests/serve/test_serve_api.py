@@ -42,6 +42,7 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores
 def test_greedy_completion_and_logprobs_equal_the_reference(server, golden_dir):
     """Greedy tokens of the golden prompts equal the reference's greedy decode (which ``Generator`` and so
     ``dsv41 sample`` reproduce, tests/engine/test_sampling.py); logprobs equal the reference logits'

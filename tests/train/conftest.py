@@ -9,7 +9,6 @@ in-process tests instead of adding to the wall time.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from dsv41_jax.testing import fake_cpu_env
 from dsv41_jax.train.config import from_dict
 from dsv41_jax.train.loop import setup
 
@@ -26,7 +26,7 @@ _started: dict[str, subprocess.Popen] = {}
 
 
 def _start_child() -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = fake_cpu_env(8)
     return subprocess.Popen([sys.executable, str(_CHILD)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

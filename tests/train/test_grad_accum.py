@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 
 from dsv41_jax import config as C
 from dsv41_jax.optim import OptimConfig
@@ -22,6 +23,7 @@ def micro() -> C.ModelConfig:
                      dspark=dataclasses.replace(t.dspark, target_layer_ids=(1, 2, 3)))
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores
 def test_accumulated_step_equals_the_full_batch_step():
     cfg = micro()
     ocfg = OptimConfig(lr=2e-3, warmup_steps=2, constant_until=100, decay_until=200, total_steps=300,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dsv41_jax.data.pipeline import DataState
 
@@ -14,6 +15,7 @@ def copy_state(state):
     return jax.tree.map(jnp.copy, state)  # the step donates its input state
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores
 def test_loss_decreases_on_a_fixed_batch(tiny_run):
     run, fresh = tiny_run
     batch = run.next_batch(DataState(iter(run.dataset)))

@@ -107,7 +107,7 @@ def device_engram(hasher: EngramHasher) -> DeviceEngram:
     )
 
 
-def device_history_init(tables: DeviceEngram, batch: int) -> tuple[Int[Array, "B J-1"], Int[Array, " B"]]:
+def device_history_init(tables: DeviceEngram, batch: int) -> tuple[Int[Array, "B Jm1"], Int[Array, " B"]]:
     """Empty per-sequence state: (history int32 [B, J-1] all DEAD, n_seen int32 [B] zeros), as history_init."""
     k1 = tables.mult_limbs.shape[-2] - 1
     return jnp.full((batch, k1), DEAD, jnp.int32), jnp.zeros((batch,), jnp.int32)
@@ -117,7 +117,7 @@ def device_history_init(tables: DeviceEngram, batch: int) -> tuple[Int[Array, "B
 # exact 64-bit arithmetic in uint32 lanes
 
 
-def mul_limbs(a: UInt32[Array, "*B a_limbs"], b: UInt32[Array, "*B b_limbs"]) -> UInt32[Array, "*B 4"]:
+def mul_limbs(a: UInt32[Array, "*A a_limbs"], b: UInt32[Array, "*B b_limbs"]) -> UInt32[Array, "*C 4"]:
     """Low 64 bits of a * b, all as little-endian 16-bit limbs in uint32 (broadcasting over leading axes).
 
     Column n sums the low halves of the partial products a_i * b_j with i + j = n, the high halves of those
@@ -170,11 +170,11 @@ def mod_limbs(x: UInt32[Array, "*B 4"], p: UInt32[Array, "..."], digit_shifts: U
 
 def device_row_ids(
     tables: DeviceEngram,
-    history: Int[Array, "*B J-1"],
+    history: Int[Array, "*B Jm1"],
     n_seen: Int[Array, "*B"],
     tokens: Int[Array, "*B S"],
     dead: Bool[Array, "*B S"] | None = None,
-) -> tuple[Int[Array, "*B S L G"], Int[Array, "*B J-1"], Int[Array, "*B"]]:
+) -> tuple[Int[Array, "*B S L G"], Int[Array, "*B Jm1"], Int[Array, "*B"]]:
     """Row ids of ``tokens`` (raw ids) and the carried state, equal to ``EngramHasher.row_ids``.
 
     ``history`` holds the last J-1 compressed ids before tokens[..., 0] (oldest first, DEAD = -1) and

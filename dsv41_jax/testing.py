@@ -15,6 +15,11 @@ GOLDEN = Path(os.environ.get("DSV41_GOLDEN", _DATA / "golden"))
 RELEASE = _DATA / "release"
 
 def __getattr__(name: str):
+    if name == "typechecker":  # the tests' runtime checker of jaxtyping annotations (tests/conftest.py): beartype,
+        # with PEP 484's numeric tower (an int where a float is annotated is a float)
+        from beartype import BeartypeConf, beartype
+
+        return beartype(conf=BeartypeConf(is_pep484_tower=True))
     if name == "CPU_EXACT":  # tests whose bounds are calibrated on XLA:CPU (bit-level or ~1e-6 agreement)
         import jax
         import pytest

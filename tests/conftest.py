@@ -31,8 +31,13 @@ if not any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda1
 # before the package is first imported): a shape or dtype annotation that drifts from the code fails the test
 # that calls it. The modules listed have had their annotations brought in line with the code; the rest of the
 # package joins this list module by module.
-TYPECHECKED = ["dsv41_jax.quant", "dsv41_jax.cache", "dsv41_jax.model.moe"]
-install_import_hook(TYPECHECKED, "beartype.beartype")
+TYPECHECKED = ["dsv41_jax.quant", "dsv41_jax.cache", "dsv41_jax.engram_device", "dsv41_jax.optim",
+               "dsv41_jax.posttrain", "dsv41_jax.train.step", "dsv41_jax.vision", "pallas_kernels",
+               *(f"dsv41_jax.model.{m}" for m in ("attention", "compressor", "documents", "dspark", "engram", "indexer",
+                                                  "indexer_loss", "layers", "mhc", "moe", "rope", "sparse",
+                                                  "transformer")),
+               *(f"dsv41_jax.engine.{m}" for m in ("prefill", "sampling", "speculative", "step"))]
+install_import_hook(TYPECHECKED, "dsv41_jax.testing.typechecker")
 from dsv41_jax import config as C  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

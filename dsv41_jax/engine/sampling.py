@@ -7,7 +7,7 @@ block (that is where tokens are streamed).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -27,6 +27,8 @@ from dsv41_jax.model.dspark import DraftCache, DSpark, init_draft_cache
 from dsv41_jax.model.moe import expert_parallel
 from dsv41_jax.model.transformer import Transformer
 from dsv41_jax.sharding import named_shardings, state_partition_specs
+
+Prompts = Sequence[Sequence[int | np.integer]]  # token ids per request (Python or NumPy integers)
 
 if TYPE_CHECKING:
     from dsv41_jax.vision.prompt import PromptInputs
@@ -258,7 +260,7 @@ class Generator:
                            jnp.ones((self.batch,), bool), jax.random.split(jax.random.key(0), self.batch),
                            jnp.zeros((self.batch,), jnp.int32), RowSampling.of(self.sampling, self.batch), dcache)
 
-    def prefill(self, prompts: list[list[int]], images: PromptInputs | None = None) -> DecodeState:
+    def prefill(self, prompts: Prompts, images: PromptInputs | None = None) -> DecodeState:
         """Chunked prefill of ragged prompts (token ids) into a fresh state; validates them first. ``images``
         (:meth:`dsv41_jax.vision.prompt.ImageEncoder.prompt_inputs`) gives the token types and span embeddings
         of image prompts; ``prompts`` are then its expanded ids."""
@@ -284,7 +286,8 @@ class Generator:
         running rows between chunks)."""
         return AdmissionPlan(self, admissions)
 
-    def history_before(self, tokens: list[int], start: int, token_types: np.ndarray | None = None) -> np.ndarray:
+    def history_before(self, tokens: Sequence[int | np.integer], start: int,
+                       token_types: np.ndarray | None = None) -> np.ndarray:
         """The Engram history before position ``start`` of ``tokens``: the last J-1 compressed ids, DEAD before 0
         and at image-span positions (``token_types`` ≥ 0)."""
         pos = np.arange(start - (self.tables.mult_limbs.shape[-2] - 1), start)
@@ -311,7 +314,7 @@ class Generator:
             embeds = jax.device_put(embeds, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         return jnp.asarray(is_image), embeds
 
-    def stream(self, prompts: list[list[int]], seed: int = 0, speculative: bool = True,
+    def stream(self, prompts: Prompts, seed: int = 0, speculative: bool = True,
                images: PromptInputs | None = None) -> Iterator[np.ndarray]:
         """Yields [B, n] new tokens (−1 = none: finished, or not emitted by a speculative step) block by block
         until every sequence stops; n = ``block`` (``block · (speculative + 1)`` with speculative decoding).
@@ -357,7 +360,7 @@ class Generator:
         self.stats = dict(zip(STATS, np.asarray(spec.stats).T, strict=True))
         return spec, np.asarray(out).reshape(self.batch, -1)
 
-    def generate(self, prompts: list[list[int]], seed: int = 0,
+    def generate(self, prompts: Prompts, seed: int = 0,
                  on_block: Callable[[np.ndarray], None] | None = None, speculative: bool = True,
                  images: PromptInputs | None = None) -> list[list[int]]:
         """Generated ids per prompt; ``images`` as in :meth:`prefill`."""
@@ -440,7 +443,7 @@ class Admission:
     """
 
     row: int
-    tokens: list[int]
+    tokens: Sequence[int | np.integer]
     start: int = 0
     replay_hit: int | None = None
     sampling: tuple | None = None  # (temperature, top_k, top_p, max_new) of this row

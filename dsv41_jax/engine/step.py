@@ -54,7 +54,7 @@ def forward_chunk(model: Transformer, cache: C.Cache, tokens: Int[Array, "B S"],
                   n_new: Int[Array, "B"], *, replay_start: Int[Array, "B"] | None = None,
                   write_floor: Int[Array, "B"] | None = None, is_image: Bool[Array, "B S"] | None = None,
                   image_embeds: Float[Array, "B S D"] | None = None, options: ChunkOptions | None = None
-                  ) -> tuple[Float[Array, "B V"], C.Cache]:
+                  ) -> tuple:
     """Run ``tokens[b, :n_new[b]]`` at positions ``cache.lengths[b] + i``; returns logits and the new cache.
 
     Logits are fp32, of each sequence's last valid row ``[B, V]`` (or of every row ``[B, S', V]`` with

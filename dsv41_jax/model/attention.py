@@ -186,8 +186,9 @@ class Attention(nnx.Module):
         if spec.compressed:
             topk = shared.topk
             compressed_kv, picked = shared.kv.attended_entries(spec, topk, q.dtype)
+        sink = jnp.asarray(self.attn_sink[...])  # a converted model may hold NumPy values
         out = sparse_api.sparse_attention(
-            q, window_kv, self.attn_sink[...], self.cfg.window_size, compressed_kv, topk, vis.floor, start=vis.start,
+            q, window_kv, sink, self.cfg.window_size, compressed_kv, topk, vis.floor, start=vis.start,
             prefix_kv=prefix_kv, prefix_pos=prefix_pos, picked=picked, key_floor=vis.key_floor,
             return_mass=with_mass, causal=spec.part != "draft", backend=self.cfg.kernel_backend)
         return out if with_mass else (out, None)
@@ -201,7 +202,7 @@ class Attention(nnx.Module):
             vis_mask = visible(ent, main_kv.shape[1])
             floor = vis.key_floor  # the documents' starts, or the window floor (bounded replay, CED)
             floor = jnp.broadcast_to(jnp.asarray(vis.floor)[..., None], vis.pos.shape) if floor is None else floor
-            dense = entry_mass(q, window_kv, self.attn_sink[...], self.cfg.window_size, main_kv, vis_mask,
+            dense = entry_mass(q, window_kv, jnp.asarray(self.attn_sink[...]), self.cfg.window_size, main_kv, vis_mask,
                                key_floor=floor)
             return indexer_stats(target, scores, vis_mask, dense, shared.topk, topk_mass)
 

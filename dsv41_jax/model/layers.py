@@ -48,7 +48,7 @@ class Linear(nnx.Module):
         """The weight as a ``dtype`` matrix (dequantised from FP8 + E8M0 blocks when native)."""
         if self.native:
             return quant.dequant_fp8_blocks(self.weight[...], self.scale[...]).astype(dtype)
-        return self.weight[...].astype(dtype)
+        return jnp.asarray(self.weight[...], dtype)  # a converted model may hold NumPy values
 
     def __call__(self, x: Float[Array, "*B X"], dtype=None) -> Float[Array, "*B Y"]:
         dt = dtype or self.dtype

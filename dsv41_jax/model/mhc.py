@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, ArrayLike, Float
 
 from dsv41_jax.config import MHCConfig
 from dsv41_jax.model.layers import normal
@@ -41,7 +41,7 @@ def hc_params(cfg: MHCConfig, dim: int, rngs: nnx.Rngs) -> tuple[nnx.Param, nnx.
             param("hc_vector", jnp.ones((3,), jnp.float32)))
 
 
-def hc_mixes(x: Float[Array, "B S M D"], fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: MHCConfig,
+def hc_mixes(x: Float[Array, "B S M D"], fn: ArrayLike, base: ArrayLike, scale: ArrayLike, cfg: MHCConfig,
              norm_eps: float):
     """Returns ``(pre [B,S,M], post [B,S,M], comb [B,S,M,M])`` in fp32 (spec model §4.2)."""
     m, eps = cfg.hc_mult, cfg.hc_eps

@@ -35,16 +35,18 @@ def rope_frequencies(cfg: AttentionConfig, kind: str) -> np.ndarray:
 
 
 def apply_rope(
-    x: Float[Array, "*B S N H"] | Float[Array, "*B S H"],
-    positions: Int[Array, "*B S"],
-    freqs: np.ndarray,
+    x: Float[Array, "..."],
+    positions: Int[Array, "..."],
+    freqs: Float[Array | np.ndarray, "F"],
     *,
     heads: bool,
     inverse: bool = False,
-) -> Float[Array, "*B S N H"] | Float[Array, "*B S H"]:
-    """Rotate the trailing ``2·len(freqs)`` lanes of ``x`` as interleaved (even, odd) pairs.
+) -> Float[Array, "..."]:
+    """Rotate the trailing ``2·len(freqs)`` lanes of ``x`` [*B, S, N, H] (or [*B, S, H]) at ``positions``
+    [*B, S] as interleaved (even, odd) pairs.
 
-    ``heads`` says whether ``x`` has a head axis after the sequence axis. Angles and rotation are fp32 and
+    ``heads`` says whether ``x`` has the head axis N after the sequence axis (the two forms are one shape
+    pattern apart, so the annotation leaves the axes to this sentence). Angles and rotation are fp32 and
     the result is cast back to ``x.dtype``; ``inverse`` applies the conjugate rotation (output path, §3.7).
     """
     rd = 2 * freqs.shape[0]

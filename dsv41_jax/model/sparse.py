@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 NEG_INF = -jnp.inf
@@ -42,11 +43,11 @@ def _band_mask(n_chunks: int, block: int, window: int) -> jax.Array:
 def sparse_attention(
     q: Float[Array, "B S N H"],
     window_kv: Float[Array, "B S H"],
-    sink: Float[Array, "N"],
+    sink: Float[Array | np.ndarray, "N"],
     window: int,
     compressed_kv: Float[Array, "B T H"] | None = None,
     topk: Int[Array, "B S K"] | None = None,
-    replay_start: int | Int[Array, "B"] = 0,
+    replay_start: int | Int[Array, ""] | Int[Array, "B"] = 0,
     *,
     start: Int[Array, "B"] | None = None,
     prefix_kv: Float[Array, "B P H"] | None = None,
@@ -134,7 +135,7 @@ gather_entries.defvjp(_gather_fwd, _gather_bwd)
 def entry_mass(
     q: Float[Array, "B S N H"],
     window_kv: Float[Array, "B S H"],
-    sink: Float[Array, "N"],
+    sink: Float[Array | np.ndarray, "N"],
     window: int,
     compressed_kv: Float[Array, "B T H"],
     visible: Bool[Array, "B S T"],
@@ -229,11 +230,11 @@ def _softmax_with_sink(parts, sink: jax.Array, dtype):
 def dense_attention(
     q: Float[Array, "B S N H"],
     window_kv: Float[Array, "B S H"],
-    sink: Float[Array, "N"],
+    sink: Float[Array | np.ndarray, "N"],
     window: int,
     compressed_kv: Float[Array, "B T H"] | None = None,
     topk: Int[Array, "B S K"] | None = None,
-    replay_start: int = 0,
+    replay_start: int | Int[Array, ""] | Int[Array, "B"] = 0,
 ) -> Float[Array, "B S N H"]:
     """Test oracle: the same attention with a dense [S, S+T] mask, all in fp32."""
     s, h = q.shape[1], q.shape[-1]

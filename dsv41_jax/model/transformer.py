@@ -174,7 +174,7 @@ class Transformer(nnx.Module):
         return Shared(DenseKV(reuse=reuse, qdq_main=self.cfg.attention.cache_quant.main_kv))
 
     def logits(self, x: Float[Array, "B S M D"], pre: Float[Array, "B S M"],
-               rows: Int[Array, "B"] | None = None) -> Float[Array, "B S V"]:
+               rows: Int[Array, "B"] | None = None) -> Float[Array, "B S V"] | Float[Array, "B V"]:
         """Final collapse, norm and the fp32 head; only row ``rows[b]`` of each sequence when given ([B, V])."""
         with jax.named_scope("head"):
             out = self.norm(collapse(x, pre))

@@ -41,8 +41,8 @@ class ExpandedPrompt(NamedTuple):
     spans: tuple[Span, ...]
 
 
-def expand_prompt(ids: Sequence[int], grids: Sequence[tuple[int, int]], image_token_id: int,
-                  images: Sequence[int] | None = None) -> ExpandedPrompt:
+def expand_prompt(ids: Sequence[int] | np.ndarray, grids: Sequence[tuple[int, int]], image_token_id: int,
+                  images: Sequence[int] | np.ndarray | None = None) -> ExpandedPrompt:
     """Each ``image_token_id`` of ``ids`` replaced by the span of its image's LLM grid ``(n_llm_h, n_llm_w)``.
 
     The k-th placeholder takes image ``images[k]`` (default: the k-th grid). A count that does not match is an

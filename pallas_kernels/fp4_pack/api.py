@@ -67,8 +67,8 @@ def pack_mxfp4(
     return mod.pack(x, "mxfp4", interpret=interpret)
 
 
-def unpack_nvfp4(codes: UInt8[Array, "*B N//2"], scales: Shaped[Array, "*B G"], dtype=jnp.float32, *,
-                 backend: str = "xla") -> Float[Array, "*B N"]:
+def unpack_nvfp4(codes: UInt8[Array, "*B H"], scales: Shaped[Array, "*B G"], dtype=jnp.float32, *,
+                 backend: str = "xla") -> Float[Array, "*B 2*H"]:
     """(E2M1 nibbles, E4M3 scales) -> values in ``dtype`` (exact: every code x scale fits bf16, spec §7)."""
     _check(backend)
     if backend == "xla":
@@ -77,8 +77,8 @@ def unpack_nvfp4(codes: UInt8[Array, "*B N//2"], scales: Shaped[Array, "*B G"], 
     return mod.unpack(codes, scales, "nvfp4", dtype, interpret=interpret)
 
 
-def unpack_mxfp4(codes: UInt8[Array, "*B N//2"], exps: UInt8[Array, "*B G"], dtype=jnp.float32, *,
-                 backend: str = "xla") -> Float[Array, "*B N"]:
+def unpack_mxfp4(codes: UInt8[Array, "*B H"], exps: UInt8[Array, "*B G"], dtype=jnp.float32, *,
+                 backend: str = "xla") -> Float[Array, "*B 2*H"]:
     """(E2M1 nibbles, E8M0 bytes) -> values in ``dtype``."""
     _check(backend)
     if backend == "xla":
@@ -87,9 +87,9 @@ def unpack_mxfp4(codes: UInt8[Array, "*B N//2"], exps: UInt8[Array, "*B G"], dty
     return mod.unpack(codes, exps, "mxfp4", dtype, interpret=interpret)
 
 
-def write_nvfp4(codes_cache: UInt8[Array, "B T N//2"], scales_cache: Shaped[Array, "B T N//16"],
-                x: Float[Array, "B S N"], index: Int[Array, "B S"], *, backend: str = "xla"
-                ) -> tuple[UInt8[Array, "B T N//2"], Shaped[Array, "B T N//16"]]:
+def write_nvfp4(codes_cache: UInt8[Array, "B T H"], scales_cache: Shaped[Array, "B T G"],
+                x: Float[Array, "B S 2*H"], index: Int[Array, "B S"], *, backend: str = "xla"
+                ) -> tuple[UInt8[Array, "B T H"], Shaped[Array, "B T G"]]:
     """Main-KV caches with ``pack_nvfp4(x)[b, s]`` written at slot ``index[b, s]`` (out of range: dropped)."""
     _check(backend)
     if backend == "xla":
@@ -98,9 +98,9 @@ def write_nvfp4(codes_cache: UInt8[Array, "B T N//2"], scales_cache: Shaped[Arra
     return mod.write(codes_cache, scales_cache, x, index, "nvfp4", interpret=interpret)
 
 
-def write_mxfp4(codes_cache: UInt8[Array, "B T N//2"], exps_cache: UInt8[Array, "B T N//32"],
-                x: Float[Array, "B S N"], index: Int[Array, "B S"], *, backend: str = "xla"
-                ) -> tuple[UInt8[Array, "B T N//2"], UInt8[Array, "B T N//32"]]:
+def write_mxfp4(codes_cache: UInt8[Array, "B T H"], exps_cache: UInt8[Array, "B T G"],
+                x: Float[Array, "B S 2*H"], index: Int[Array, "B S"], *, backend: str = "xla"
+                ) -> tuple[UInt8[Array, "B T H"], UInt8[Array, "B T G"]]:
     """Index-key caches with ``pack_mxfp4(x)[b, s]`` written at slot ``index[b, s]`` (out of range: dropped)."""
     _check(backend)
     if backend == "xla":

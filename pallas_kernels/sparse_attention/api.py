@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from dsv41_jax.model import sparse as xla
@@ -29,11 +30,11 @@ BACKENDS = ("xla", "pallas")
 def sparse_attention(
     q: Float[Array, "B S N H"],
     window_kv: Float[Array, "B S H"],
-    sink: Float[Array, "N"],
+    sink: Float[Array | np.ndarray, "N"],
     window: int,
     compressed_kv: Float[Array, "B T H"] | None = None,
     topk: Int[Array, "B S K"] | None = None,
-    replay_start: int | Int[Array, "B"] = 0,
+    replay_start: int | Int[Array, ""] | Int[Array, "B"] = 0,
     *,
     start: Int[Array, "B"] | None = None,
     prefix_kv: Float[Array, "B P H"] | None = None,
@@ -77,7 +78,7 @@ _KERNELS = {"gpu": mosaic.sparse_mqa, "tpu": tpu.sparse_mqa}
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def sparse_mqa(q: Float[Array, "B S N H"], main: Float[Array, "B T H"], extra: Float[Array, "B E H"],
-               idx: Int[Array, "B S L"], sink: Float[Array, "N"], scale: float, interpret: bool = False,
+               idx: Int[Array, "B S L"], sink: Float[Array | np.ndarray, "N"], scale: float, interpret: bool = False,
                platform: str = "gpu") -> Float[Array, "B S N H"]:
     """The output of ``platform``'s kernel (``reference.sparse_mqa`` without the log-sum-exp), differentiable;
     ``interpret`` runs it in the Pallas interpreter (CPU tests)."""

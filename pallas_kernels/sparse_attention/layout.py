@@ -26,7 +26,7 @@ def key_rows(
     window: int,
     compressed_kv: Float[Array, "B T H"] | None = None,
     topk: Int[Array, "B S K"] | None = None,
-    replay_start: int | Int[Array, "B"] = 0,
+    replay_start: int | Int[Array, ""] | Int[Array, "B"] = 0,
     *,
     start: Int[Array, "B"] | None = None,
     prefix_kv: Float[Array, "B P H"] | None = None,
@@ -35,7 +35,7 @@ def key_rows(
     key_floor: Int[Array, "B S"] | None = None,
     dtype=None,
     multiple: int = 64,
-) -> tuple[Float[Array, "B T H"], Float[Array, "B E H"], Int[Array, "B S L"]]:
+) -> tuple[Float[Array, "B R H"], Float[Array, "B E H"], Int[Array, "B S L"]]:
     """``(main, extra, idx)``: the keys (in ``dtype``) and each query's visible rows of ``main ++ extra``."""
     if key_floor is not None and prefix_kv is not None:  # as the reference: documents belong to training rows
         raise ValueError("key_rows: key_floor (document starts of a training row) cannot be combined with "

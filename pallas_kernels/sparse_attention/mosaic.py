@@ -32,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -271,7 +272,7 @@ def smem_bytes(h: int, n_keys: int, slots: int = 2) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "slots"))
 def sparse_mqa(q: Float[Array, "B S N H"], main: Float[Array, "B T H"], extra: Float[Array, "B E H"],
-               idx: Int[Array, "B S L"], sink: Float[Array, "N"], scale: float, *, interpret: bool = False,
+               idx: Int[Array, "B S L"], sink: Float[Array | np.ndarray, "N"], scale: float, *, interpret: bool = False,
                slots: int = 2) -> tuple[Float[Array, "B S N H"], Float[Array, "B S N"]]:
     """``reference.sparse_mqa`` over the rows of ``main`` then ``extra`` (``layout.key_rows``) as a Mosaic GPU
     kernel. N is padded to a multiple of 64 heads (zero queries, sliced off), L must be a multiple of 64,

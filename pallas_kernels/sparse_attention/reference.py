@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from dsv41_jax.model.sparse import gather_entries
@@ -23,7 +24,7 @@ def sparse_mqa(
     main: Float[Array, "B T H"],
     extra: Float[Array, "B E H"],
     idx: Int[Array, "B S L"],
-    sink: Float[Array, "N"],
+    sink: Float[Array | np.ndarray, "N"],
     scale: float,
 ) -> tuple[Float[Array, "B S N H"], Float[Array, "B S N"]]:
     """``(out, lse)``: attention of each query's heads to the rows ``(main ++ extra)[b, idx[b, s, l]]`` (−1

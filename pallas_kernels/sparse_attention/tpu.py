@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -91,7 +92,7 @@ def _kernel(idx_smem, idx_ref, q_ref, sink_ref, main_hbm, extra_hbm, o_ref, lse_
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def sparse_mqa(q: Float[Array, "B S N H"], main: Float[Array, "B T H"], extra: Float[Array, "B E H"],
-               idx: Int[Array, "B S L"], sink: Float[Array, "N"], scale: float, *, interpret: bool = False
+               idx: Int[Array, "B S L"], sink: Float[Array | np.ndarray, "N"], scale: float, *, interpret: bool = False
                ) -> tuple[Float[Array, "B S N H"], Float[Array, "B S N"]]:
     """``reference.sparse_mqa`` as a Mosaic TPU kernel; L a multiple of 64 (``layout.key_rows`` pads it)."""
     b, s, n, h = q.shape

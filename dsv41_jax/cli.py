@@ -171,16 +171,17 @@ def _cmd_profile_sps(args) -> int:
     from pathlib import Path
 
     from dsv41_jax.checkpoint.load import load_model
-    from dsv41_jax.engine.speculative import profile_sps
+    from dsv41_jax.engine.speculative import profile_sps, verify_widths
     from dsv41_jax.engram_device import device_engram
 
     loaded = load_model(run=args.run, ckpt=args.ckpt, hf_dir=args.hf_dir, dtype=args.dtype)
     drafts = args.drafts or loaded.model.cfg.dspark.block_size
     try:
-        table = profile_sps(loaded.model, device_engram(loaded.hasher), args.batch, drafts,
-                            widths=args.verify_widths or (), context=args.context)
+        widths = verify_widths(drafts, True, args.verify_widths or ())
     except ValueError as err:
         raise C.ConfigError(f"--verify-widths: {err}") from None
+    table = profile_sps(loaded.model, device_engram(loaded.hasher), args.batch, drafts, widths=widths,
+                        context=args.context)
     Path(args.out).write_text(json.dumps(table, indent=1))
     for w, r in zip(table["widths"], table["steps_per_s"], strict=True):
         print(f"batch {args.batch} x {w} verify rows: {r:9.1f} steps/s")

@@ -185,6 +185,8 @@ def _sps_table(path, k: int, widths: tuple[int, ...]) -> tuple[tuple[float, ...]
     try:
         raw = json.loads(Path(path).read_text())
         table, measured = tuple(float(x) for x in raw["sps"]), tuple(int(w) for w in raw["widths"])
+        if not table or not measured or list(measured) != sorted(set(measured)):
+            raise ValueError(f"widths {list(measured)} must be ascending and the table non-empty")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"--sps {path}: not a table written by dsv41 profile-sps ({err})") from None
     if measured[-1] != k + 1:

@@ -93,5 +93,8 @@ def test_speculative_verify_widths_and_sps_tables(tmp_path, capsys):
         "profile-sps --drafts 4")
     assert _error(capsys, [*spec, "--verify-widths", "2,5"]).startswith(
         "error: --verify-widths: verify widths (2, 5): each must lie in 1..3")
-    table.write_text(json.dumps({"sps": [1.0]}))
-    assert _error(capsys, [*spec, "--sps", str(table)]).startswith(f"error: --sps {table}: not a table written by")
+    assert _error(capsys, ["profile-sps", "--hf-dir", HF, "--drafts", "2", "--verify-widths", "1,2"]).startswith(
+        "error: --verify-widths: verify widths (1, 2): each must lie in 1..3")
+    for bad in ({"sps": [1.0]}, {"sps": [1.0], "widths": []}, {"sps": [1.0], "widths": [3, 1]}):
+        table.write_text(json.dumps(bad))
+        assert _error(capsys, [*spec, "--sps", str(table)]).startswith(f"error: --sps {table}: not a table written by")

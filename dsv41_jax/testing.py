@@ -32,7 +32,7 @@ def __getattr__(name: str):
 
 def fake_cpu_env(n_devices: int = 8) -> dict[str, str]:
     """This process's environment for a child Python with ``n_devices`` fake CPU devices: the device count
-    added to the XLA flags already set (the test session's among them), any other count replaced."""
+    added to the XLA flags of the environment, any other device count replaced."""
     import os
 
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]

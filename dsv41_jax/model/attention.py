@@ -177,6 +177,10 @@ class Attention(nnx.Module):
         sel = jnp.sort(jnp.where(sel >= 0, sel, jnp.iinfo(jnp.int32).max), axis=-1)
         return jnp.where(sel < ent.hi[..., None], sel, -1).astype(jnp.int32)
 
+    def _sink(self) -> Float[Array, "N"]:
+        """The per-head sink logits as a JAX array (a converted model may hold NumPy values)."""
+        return jnp.asarray(self.attn_sink[...])
+
     def _attend(self, q, window_kv, shared: Shared, vis: Visibility, *, with_mass: bool):
         """The sparse attention core, the layer's one call of it: window keys (this forward's and the store's),
         the selected compressed entries and the sink in one softmax (spec §3.6). Returns ``(o, mass)``."""
@@ -186,9 +190,8 @@ class Attention(nnx.Module):
         if spec.compressed:
             topk = shared.topk
             compressed_kv, picked = shared.kv.attended_entries(spec, topk, q.dtype)
-        sink = jnp.asarray(self.attn_sink[...])  # a converted model may hold NumPy values
         out = sparse_api.sparse_attention(
-            q, window_kv, sink, self.cfg.window_size, compressed_kv, topk, vis.floor, start=vis.start,
+            q, window_kv, self._sink(), self.cfg.window_size, compressed_kv, topk, vis.floor, start=vis.start,
             prefix_kv=prefix_kv, prefix_pos=prefix_pos, picked=picked, key_floor=vis.key_floor,
             return_mass=with_mass, causal=spec.part != "draft", backend=self.cfg.kernel_backend)
         return out if with_mass else (out, None)
@@ -202,8 +205,7 @@ class Attention(nnx.Module):
             vis_mask = visible(ent, main_kv.shape[1])
             floor = vis.key_floor  # the documents' starts, or the window floor (bounded replay, CED)
             floor = jnp.broadcast_to(jnp.asarray(vis.floor)[..., None], vis.pos.shape) if floor is None else floor
-            dense = entry_mass(q, window_kv, jnp.asarray(self.attn_sink[...]), self.cfg.window_size, main_kv, vis_mask,
-                               key_floor=floor)
+            dense = entry_mass(q, window_kv, self._sink(), self.cfg.window_size, main_kv, vis_mask, key_floor=floor)
             return indexer_stats(target, scores, vis_mask, dense, shared.topk, topk_mass)
 
     def output(self, o: Float[Array, "B S N H"], pos: jax.Array) -> Float[Array, "B S D"]:

@@ -144,10 +144,32 @@ def grouped_matmul(lhs: Float[Array, "U X"], rhs: Float[Array, "E X Y"], sizes: 
     if tokamax is None:
         raise ImportError(f"moe.grouped_matmul: tokamax does not import ({_TOKAMAX_ERROR[0]}); pip install "
                           "'dsv41-jax[gpu]'")
-    out = tokamax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+    out = _tokamax_ragged_dot(lhs, rhs, sizes)
     # its kernels leave the rows past the last group unwritten; the caller's sum must see zeros there
     return jnp.where((jnp.arange(lhs.shape[0]) < jnp.sum(sizes))[:, None], out, 0.0)
 
+
+@jax.custom_vjp
+def _tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+    """tokamax's ragged dot with an fp32 output, whose backward runs tokamax's kernels on a cotangent in the
+    operands' dtype: its Mosaic GPU kernels take operands of one dtype, and the fp32 cotangent of an fp32
+    output would meet bf16 weights there (``NotImplementedError`` on the H200)."""
+    return _tokamax().ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+
+
+def _tokamax_ragged_dot_fwd(lhs, rhs, sizes):
+    return _tokamax_ragged_dot(lhs, rhs, sizes), (lhs, rhs, sizes)
+
+
+def _tokamax_ragged_dot_bwd(res, g):
+    lhs, rhs, sizes = res
+    dot = lambda a, b: _tokamax().ragged_dot(a, b, sizes, preferred_element_type=lhs.dtype)  # noqa: E731
+    _, vjp = jax.vjp(dot, lhs, rhs)
+    d_lhs, d_rhs = vjp(g.astype(lhs.dtype))
+    return d_lhs, d_rhs, None
+
+
+_tokamax_ragged_dot.defvjp(_tokamax_ragged_dot_fwd, _tokamax_ragged_dot_bwd)
 
 _TOKAMAX_ERROR: list[str] = []
 

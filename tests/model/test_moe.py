@@ -303,6 +303,51 @@ def test_grouped_matmul_xla_is_the_grouped_product_with_zero_tail(rng):
         grouped_matmul(lhs, rhs, sizes, "cublas")
 
 
+def test_tokamax_path_backward_feeds_its_kernels_one_dtype(rng, monkeypatch):
+    """tokamax's Mosaic GPU ragged dot takes operands of one dtype; the fp32 output's cotangent meets bf16
+    weights in its backward, so ``grouped_matmul`` hands it the cotangent in the operands' dtype. Here tokamax
+    is stood in for by a function that enforces that rule and computes with ``lax.ragged_dot``: the wrapper's
+    forward and gradients equal the XLA path's (gradients to bf16 rounding of the cotangent)."""
+    import types
+
+    from dsv41_jax.model import moe
+
+    def check(a, b):
+        if a.dtype != b.dtype:
+            raise NotImplementedError(f"lhs and rhs must have same dtype (got {a.dtype}, {b.dtype})")
+
+    def strict_ragged_dot(lhs, rhs, sizes, preferred_element_type=None):
+        @jax.custom_vjp  # like tokamax: its own backward, whose kernels take the cotangent with each operand
+        def dot(a, b):
+            check(a, b)
+            return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=preferred_element_type)
+
+        def bwd(res, g):
+            a, b = res
+            check(g, b)
+            check(g, a)
+            return jax.vjp(lambda x, y: jax.lax.ragged_dot(x, y, sizes, preferred_element_type=g.dtype), a, b)[1](g)
+
+        dot.defvjp(lambda a, b: (dot(a, b), (a, b)), bwd)
+        return dot(lhs, rhs)
+
+    monkeypatch.setattr(moe, "_tokamax", lambda: types.SimpleNamespace(ragged_dot=strict_ragged_dot))
+    lhs, rhs, sizes = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
+                       for x in _grouped_case(rng, jnp.float32))
+    cot = jnp.asarray(rng.normal(size=(40, 24)), jnp.float32)
+
+    def run(impl):
+        out = moe.grouped_matmul(lhs, rhs, sizes, impl)
+        grads = jax.grad(lambda a, b: jnp.sum(moe.grouped_matmul(a, b, sizes, impl) * cot), argnums=(0, 1))
+        return out, *grads(lhs, rhs)
+
+    for got, want in zip(jax.jit(lambda: run("tokamax"))(), jax.jit(lambda: run("xla"))(), strict=True):
+        assert got.dtype == want.dtype
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.abs(got - want).max() <= 2**-7 * np.abs(want).max()
+    assert np.asarray(run("tokamax")[0] == run("xla")[0]).all()  # the forward is the same fp32 product
+
+
 @pytest.mark.gpu
 def test_grouped_matmul_tokamax_equals_xla_on_gpu(rng):
     """tokamax's kernel (``auto`` on GPU) against lax.ragged_dot in bf16 at a training-like shape, forward and

@@ -130,9 +130,9 @@ def grouped_matmul(lhs: Float[Array, "U X"], rhs: Float[Array, "E X Y"], sizes: 
     fp32 accumulation and output; rows past the last group are zero.
 
     ``implementation``: ``xla`` (``lax.ragged_dot``: a loop over groups on CPU/TPU, densified on GPU, ~16
-    TFLOP/s on the H200), ``tokamax`` (its ``ragged_dot``: a Mosaic GPU kernel where the shapes allow, with
-    its own VJP; tokamax chooses, and falls back to XLA elsewhere), or ``auto``: tokamax on GPU when it is
-    installed, else XLA.
+    TFLOP/s on the H200), ``tokamax`` (its ``ragged_dot`` forward: a Mosaic GPU kernel where the shapes allow,
+    tokamax chooses, and falls back to XLA elsewhere; the backward is XLA's, see ``_tokamax_ragged_dot``), or
+    ``auto``: tokamax on GPU when it is installed, else XLA.
     """
     if implementation == "auto":
         implementation = "tokamax" if jax.default_backend() == "gpu" and _tokamax() is not None else "xla"
@@ -151,9 +151,14 @@ def grouped_matmul(lhs: Float[Array, "U X"], rhs: Float[Array, "E X Y"], sizes: 
 
 @jax.custom_vjp
 def _tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
-    """tokamax's ragged dot with an fp32 output, whose backward runs tokamax's kernels on a cotangent in the
-    operands' dtype: its Mosaic GPU kernels take operands of one dtype, and the fp32 cotangent of an fp32
-    output would meet bf16 weights there (``NotImplementedError`` on the H200)."""
+    """tokamax's ragged dot (fp32 output) forward, XLA's transpose of ``lax.ragged_dot`` backward.
+
+    tokamax 0.0.17's own backward was measured wrong on the H200 (``benchmarks/moe_bench.py``, bf16, 32,768 rows
+    × 1024 → 384, 16 experts): its Mosaic GPU kernels refuse the fp32 cotangent of an fp32 output against bf16
+    weights; fed a bf16 cotangent, the weight gradient was off by 9 % of its largest entry and the rows past the
+    last group of the input gradient were left unwritten. Its forward equals ``lax.ragged_dot`` bit for bit
+    there, so the forward is tokamax's and the gradients are XLA's own.
+    """
     return _tokamax().ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
 
 
@@ -163,10 +168,8 @@ def _tokamax_ragged_dot_fwd(lhs, rhs, sizes):
 
 def _tokamax_ragged_dot_bwd(res, g):
     lhs, rhs, sizes = res
-    dot = lambda a, b: _tokamax().ragged_dot(a, b, sizes, preferred_element_type=lhs.dtype)  # noqa: E731
-    _, vjp = jax.vjp(dot, lhs, rhs)
-    d_lhs, d_rhs = vjp(g.astype(lhs.dtype))
-    return d_lhs, d_rhs, None
+    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32), lhs, rhs)
+    return (*vjp(g), None)
 
 
 _tokamax_ragged_dot.defvjp(_tokamax_ragged_dot_fwd, _tokamax_ragged_dot_bwd)

@@ -303,37 +303,25 @@ def test_grouped_matmul_xla_is_the_grouped_product_with_zero_tail(rng):
         grouped_matmul(lhs, rhs, sizes, "cublas")
 
 
-def test_tokamax_path_backward_feeds_its_kernels_one_dtype(rng, monkeypatch):
-    """tokamax's Mosaic GPU ragged dot takes operands of one dtype; the fp32 output's cotangent meets bf16
-    weights in its backward, so ``grouped_matmul`` hands it the cotangent in the operands' dtype. Here tokamax
-    is stood in for by a function that enforces that rule and computes with ``lax.ragged_dot``: the wrapper's
-    forward and gradients equal the XLA path's (gradients to bf16 rounding of the cotangent)."""
+def test_tokamax_path_takes_its_forward_and_xla_gradients(rng, monkeypatch):
+    """``implementation="tokamax"`` runs tokamax's forward and XLA's transpose for the gradients (tokamax's own
+    backward was measured wrong on the H200: see ``moe._tokamax_ragged_dot``). tokamax is stood in for by a
+    forward that computes with ``lax.ragged_dot`` and a backward that returns garbage, as the measured one did:
+    the forward and both gradients must be the XLA path's, bit for bit."""
     import types
 
     from dsv41_jax.model import moe
 
-    def check(a, b):
-        if a.dtype != b.dtype:
-            raise NotImplementedError(f"lhs and rhs must have same dtype (got {a.dtype}, {b.dtype})")
-
-    def strict_ragged_dot(lhs, rhs, sizes, preferred_element_type=None):
-        @jax.custom_vjp  # like tokamax: its own backward, whose kernels take the cotangent with each operand
+    def standin_ragged_dot(lhs, rhs, sizes, preferred_element_type=None):
+        @jax.custom_vjp
         def dot(a, b):
-            check(a, b)
             return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=preferred_element_type)
 
-        def bwd(res, g):
-            a, b = res
-            check(g, b)
-            check(g, a)
-            return jax.vjp(lambda x, y: jax.lax.ragged_dot(x, y, sizes, preferred_element_type=g.dtype), a, b)[1](g)
-
-        dot.defvjp(lambda a, b: (dot(a, b), (a, b)), bwd)
+        dot.defvjp(lambda a, b: (dot(a, b), (a, b)), lambda res, g: (jnp.full_like(res[0], 7), res[1] * 0 + 7))
         return dot(lhs, rhs)
 
-    monkeypatch.setattr(moe, "_tokamax", lambda: types.SimpleNamespace(ragged_dot=strict_ragged_dot))
-    lhs, rhs, sizes = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
-                       for x in _grouped_case(rng, jnp.float32))
+    monkeypatch.setattr(moe, "_tokamax", lambda: types.SimpleNamespace(ragged_dot=standin_ragged_dot))
+    lhs, rhs, sizes = _grouped_case(rng, jnp.bfloat16)
     cot = jnp.asarray(rng.normal(size=(40, 24)), jnp.float32)
 
     def run(impl):
@@ -343,9 +331,7 @@ def test_tokamax_path_backward_feeds_its_kernels_one_dtype(rng, monkeypatch):
 
     for got, want in zip(jax.jit(lambda: run("tokamax"))(), jax.jit(lambda: run("xla"))(), strict=True):
         assert got.dtype == want.dtype
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        assert np.abs(got - want).max() <= 2**-7 * np.abs(want).max()
-    assert np.asarray(run("tokamax")[0] == run("xla")[0]).all()  # the forward is the same fp32 product
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.gpu

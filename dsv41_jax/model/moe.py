@@ -155,9 +155,10 @@ def _tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax
 
     tokamax 0.0.17's own backward was measured wrong on the H200 (``benchmarks/moe_bench.py``, bf16, 32,768 rows
     × 1024 → 384, 16 experts): its Mosaic GPU kernels refuse the fp32 cotangent of an fp32 output against bf16
-    weights; fed a bf16 cotangent, the weight gradient was off by 9 % of its largest entry and the rows past the
-    last group of the input gradient were left unwritten. Its forward equals ``lax.ragged_dot`` bit for bit
-    there, so the forward is tokamax's and the gradients are XLA's own.
+    weights; fed a bf16 cotangent, the weight gradient was off by 9 % of its largest entry, and with rows past
+    the last group (``tests/model/test_moe.py``'s GPU test) the input gradient was off by 1.0 where its largest
+    entry was 6.0, as from rows its kernels leave unwritten (the forward leaves them so). Its forward equals
+    ``lax.ragged_dot`` bit for bit there, so the forward is tokamax's and the gradients are XLA's own.
     """
     return _tokamax().ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
 

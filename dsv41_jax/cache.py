@@ -19,7 +19,7 @@ from jaxtyping import Array, ArrayLike, Int
 
 from dsv41_jax import quant
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model.kv_store import Slots
+from dsv41_jax.model.kv_store import Slots, pytree_dataclass
 from dsv41_jax.topology import topology
 from pallas_kernels import fp4_pack
 from pallas_kernels.fp4_pack import reference as fp4_reference
@@ -195,7 +195,7 @@ def cache_partition_specs(cache: Cache, mesh: jax.sharding.Mesh | None = None, *
 # the engine's KV store (dsv41_jax.model.kv_store): the packed cache under a chunk of new tokens
 
 
-@jax.tree_util.register_dataclass
+@pytree_dataclass
 @dataclass(frozen=True)
 class PackedKV:
     """:class:`~dsv41_jax.model.kv_store.KVStore` over the packed cache, for a chunk of new tokens per sequence.

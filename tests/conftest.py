@@ -34,7 +34,7 @@ if not any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda1
 TYPECHECKED = ["dsv41_jax.quant", "dsv41_jax.cache", "dsv41_jax.engram_device", "dsv41_jax.optim",
                "dsv41_jax.posttrain", "dsv41_jax.train.step", "dsv41_jax.vision", "pallas_kernels",
                *(f"dsv41_jax.model.{m}" for m in ("attention", "compressor", "documents", "dspark", "engram", "indexer",
-                                                  "indexer_loss", "layers", "mhc", "moe", "rope", "sparse",
+                                                  "indexer_loss", "kv_store", "layers", "mhc", "moe", "rope", "sparse",
                                                   "transformer")),
                *(f"dsv41_jax.engine.{m}" for m in ("prefill", "sampling", "speculative", "step"))]
 install_import_hook(TYPECHECKED, "dsv41_jax.testing.typechecker")

@@ -28,7 +28,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dsv41_jax import cache as C
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.attention import Shared
-from dsv41_jax.model.kv_store import Visibility
+from dsv41_jax.model.kv_store import Visibility, pytree_dataclass
 from dsv41_jax.model.layers import Linear, RMSNorm, normal
 from dsv41_jax.model.mhc import collapse
 from dsv41_jax.model.transformer import Block, Transformer
@@ -56,7 +56,7 @@ def init_draft_cache(cfg: ModelConfig, batch: int) -> DraftCache:
     return DraftCache(jnp.zeros((batch,), jnp.int32), rings)
 
 
-@jax.tree_util.register_dataclass
+@pytree_dataclass
 @dataclass(frozen=True)
 class DraftKV:
     """:class:`~dsv41_jax.model.kv_store.KVStore` of a draft block: each stage's keys of the target positions

@@ -16,6 +16,7 @@ not forks of the layer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -114,7 +115,35 @@ class PrefixReuse(NamedTuple):
     hit: Int[Array, "B"]
 
 
-@jax.tree_util.register_dataclass
+def pytree_dataclass(cls):
+    """Register a frozen dataclass as a pytree (fields with ``metadata=dict(static=True)`` are static), as
+    ``jax.tree_util.register_dataclass`` does, except that rebuilding it from leaves does not call ``__init__``.
+
+    JAX rebuilds pytrees with leaves that are not arrays (``ShapeDtypeStruct`` under ``eval_shape``, ``None`` or
+    sentinels in tree utilities): through ``__init__`` those would meet the fields' jaxtyping annotations when
+    they are checked at run time. Objects the code constructs itself are still checked.
+    """
+    fields = dataclasses.fields(cls)
+    data = tuple(f.name for f in fields if not f.metadata.get("static"))
+    meta = tuple(f.name for f in fields if f.metadata.get("static"))
+
+    def flatten_with_keys(x):
+        return [(jax.tree_util.GetAttrKey(n), getattr(x, n)) for n in data], tuple(getattr(x, n) for n in meta)
+
+    def flatten(x):
+        return [getattr(x, n) for n in data], tuple(getattr(x, n) for n in meta)
+
+    def unflatten(aux, children):
+        obj = object.__new__(cls)
+        for name, value in (*zip(data, children, strict=True), *zip(meta, aux, strict=True)):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
+@pytree_dataclass
 @dataclass(frozen=True)
 class DenseKV:
     """The store of a full-sequence forward: the latest KV source's entries as (fake-quantised) tensors.

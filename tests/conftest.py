@@ -87,3 +87,51 @@ def tiny8_cfg(tiny_cfg) -> C.ModelConfig:
     attention = dataclasses.replace(a, compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0), kv_source_layers=(2, 4),
                                     index_source_layers=(2, 4, 6), candidate_source_layer=4)
     return tiny_cfg.replace(n_layers=8, attention=attention, dspark=dataclasses.replace(d, target_layer_ids=(5, 6, 7)))
+
+
+@pytest.fixture
+def gcs_bucket(tmp_path, monkeypatch):
+    """``gs://bucket/...`` paths served from a local directory: ``etils.epath``'s backend for the ``gs``
+    scheme is swapped for one that maps each URI to ``tmp_path/gcs/...`` (the code under test goes through
+    ``epath`` exactly as it would with ``gcsfs``). Yields ``(uri root, local root)``."""
+    import glob as glob_lib
+
+    from etils.epath import backend, gpath
+
+    root = tmp_path / "gcs"
+    root.mkdir()
+
+    class LocalBucket(backend._OsPathBackend):
+        def _local(self, path):
+            path = os.fspath(path)
+            assert path.startswith("gs://"), path
+            return str(root / path[len("gs://"):])
+
+        def _uri(self, path):
+            return "gs://" + os.path.relpath(path, root)
+
+        def open(self, path, mode):
+            return super().open(self._local(path), mode)
+
+        def glob(self, path):
+            return [self._uri(p) for p in glob_lib.glob(self._local(path))]
+
+        def walk(self, top, **kw):
+            for d, dirs, files in super().walk(self._local(top), **kw):
+                yield self._uri(d), dirs, files
+
+        def rename(self, path, dst):
+            return super().rename(self._local(path), self._local(dst))
+
+        def replace(self, path, dst):
+            return super().replace(self._local(path), self._local(dst))
+
+        def copy(self, path, dst, overwrite):
+            return super().copy(self._local(path), self._local(dst), overwrite)
+
+    for name in ("exists", "isdir", "listdir", "makedirs", "mkdir", "rmtree", "remove", "stat"):
+        method = getattr(backend._OsPathBackend, name)
+        setattr(LocalBucket, name, lambda self, path, *a, _m=method, **kw: _m(self, self._local(path), *a, **kw))
+    monkeypatch.setitem(gpath._PREFIX_TO_BACKEND, "gs", LocalBucket())
+    monkeypatch.setattr(gpath, "_is_tf_installed", lambda: False)
+    return "gs://bucket", root / "bucket"

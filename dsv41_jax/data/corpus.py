@@ -10,6 +10,12 @@ lazily: :func:`open_documents` reads only their metadata and returns a random-ac
 is read when asked for (parquet through its row group, a few kept in a small cache; ArrayRecord one record).
 Documents of these two formats are taken as they are: an empty one stays (it packs to ``[BOS, EOS]``).
 Both need the ``data`` extra (``pip install -e ".[data]"``: pyarrow, array_record).
+
+``data.paths`` may name remote files by URI (``gs://bucket/corpus/*.jsonl``, ``s3://``, anything
+``etils.epath`` opens, with its file-system package installed, e.g. ``gcsfs``): text, jsonl and parquet are
+read through ``epath``; patterns there take ``*``, ``?`` and ``[...]`` but not ``**`` (a recursive listing of
+a bucket is one request per directory). ArrayRecord files are opened by array_record's reader, which takes
+local paths.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import collections
 import dataclasses
 import glob
 import json
+import os
 import sysconfig
 import threading
 import warnings
@@ -36,14 +43,43 @@ def embedded_files(limit: int | None = None) -> list[Path]:
     return files[:limit]
 
 
-def _expand(paths: tuple[str, ...]) -> list[Path]:
-    out: list[Path] = []
+def is_uri(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a remote file (``scheme://...``) rather than a local one."""
+    return "://" in str(path)
+
+
+def expand_paths(paths: tuple[str, ...]) -> list:
+    """The files each pattern matches, sorted per pattern: ``pathlib.Path`` for local ones, ``epath.Path``
+    for URIs."""
+    out: list = []
     for pattern in paths:
-        hits = sorted(glob.glob(pattern, recursive=True))
+        local = not is_uri(pattern)
+        hits = [Path(h) for h in sorted(glob.glob(pattern, recursive=True))] if local else _expand_uri(pattern)
         if not hits:
             raise ConfigError(f"data.paths: {pattern!r} matches no file")
-        out += [Path(h) for h in hits]
+        out += hits
     return out
+
+
+def _expand_uri(pattern: str) -> list:
+    from etils import epath
+
+    scheme, rest = pattern.split("://", 1)
+    parts = rest.split("/")
+    wild = next((i for i, part in enumerate(parts) if glob.has_magic(part)), None)
+    try:
+        if wild is None:
+            path = epath.Path(pattern)
+            return [path] if path.is_file() else []
+        if "**" in parts[wild:]:
+            raise ConfigError(f"data.paths: {pattern!r}: '**' is not supported in remote paths (one listing "
+                              "request per directory); name each directory, e.g. .../*/*.jsonl")
+        root = epath.Path(f"{scheme}://" + "/".join(parts[:wild]))
+        return sorted((p for p in root.glob("/".join(parts[wild:])) if p.is_file()), key=str)
+    except ConfigError:
+        raise
+    except Exception as err:  # no file-system package for the scheme, credentials, network: say which pattern
+        raise ConfigError(f"data.paths: cannot list {pattern!r}: {type(err).__name__}: {err}") from err
 
 
 def read_documents(source: str, paths: tuple[str, ...] = (), limit: int | None = None, jsonl_key: str = "text",
@@ -53,7 +89,7 @@ def read_documents(source: str, paths: tuple[str, ...] = (), limit: int | None =
     if source == "embedded":
         files = embedded_files(limit)
     elif source in ("text", "jsonl"):
-        files = _expand(paths)
+        files = expand_paths(paths)
     else:
         raise ConfigError(f"data.source must be embedded, text or jsonl here (open_documents reads the others), "
                           f"got {source!r}")
@@ -138,13 +174,13 @@ class ParquetDocuments(_LazyDocuments):
     """
 
     def __init__(self, files: Sequence[Path], column: str, limit: int | None = None, cache: int = 4):
-        pq = _need("pyarrow.parquet", "parquet")
-        self.files, self.column, self.cache = [Path(f) for f in files], column, cache
+        _need("pyarrow.parquet", "parquet")
+        self.files, self.column, self.cache = list(files), column, cache
         self.groups: list[tuple[int, int, int]] = []  # (file, row group, first row), in row order
         total = 0
         for n, path in enumerate(self.files):
             try:
-                meta = pq.ParquetFile(path)
+                meta = _parquet_file(path)
             except Exception as err:  # OSError, ArrowInvalid, ...: the file is what matters to the reader
                 raise ConfigError(f"{path}: cannot read as parquet: {err}") from err
             names = meta.schema_arrow.names
@@ -177,15 +213,13 @@ class ParquetDocuments(_LazyDocuments):
         return self.length
 
     def _rows(self, g: int) -> list:
-        import pyarrow.parquet as pq
-
         with self._lock:
             if g in self._groups:
                 self._groups.move_to_end(g)
                 return self._groups[g]
             f, rg, _ = self.groups[g]
             if f not in self._handles:
-                self._handles[f] = pq.ParquetFile(self.files[f])
+                self._handles[f] = _parquet_file(self.files[f])
             try:
                 rows = self._handles[f].read_row_group(rg, columns=[self.column]).column(0).to_pylist()
             except Exception as err:
@@ -198,6 +232,13 @@ class ParquetDocuments(_LazyDocuments):
     def _get(self, i: int) -> str:
         g = bisect.bisect_right(self._starts, i) - 1
         return self._rows(g)[i - self._starts[g]] or ""
+
+
+def _parquet_file(path):
+    """pyarrow's reader over a local path, or over an ``epath`` file object for a URI."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path.open("rb") if is_uri(path) else path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +260,9 @@ class ArrayRecordDocuments(_LazyDocuments):
 
         parts = []
         for path in files:
+            if is_uri(path):
+                raise ConfigError(f"{path}: ArrayRecord files are opened by array_record's reader, which takes local "
+                                  "paths: copy them to local disk, or use jsonl or parquet for remote corpora")
             try:
                 reader = module.ArrayRecordReader(str(path))
                 n = reader.num_records()
@@ -248,9 +292,9 @@ def open_documents(source: str, paths: tuple[str, ...] = (), limit: int | None =
     smoke test must not quietly train a real run on a sliver of its corpus.
     """
     if source == "parquet":
-        docs = ParquetDocuments(_expand(paths), parquet_column, limit)
+        docs = ParquetDocuments(expand_paths(paths), parquet_column, limit)
     elif source == "arrayrecord":
-        docs = ArrayRecordDocuments(_expand(paths), limit)
+        docs = ArrayRecordDocuments(expand_paths(paths), limit)
     else:  # one document past the cap tells whether it left any out
         docs = read_documents(source, paths, None if limit is None else limit + 1, jsonl_key)
     total = docs.total if isinstance(docs, _LazyDocuments) else len(docs)

@@ -26,7 +26,7 @@ import grain
 import numpy as np
 
 from dsv41_jax.config import ConfigError, ModelConfig
-from dsv41_jax.data.corpus import _expand
+from dsv41_jax.data.corpus import expand_paths
 from dsv41_jax.engram_hash import EngramHasher
 from dsv41_jax.posttrain.config import SFTConfig
 
@@ -35,8 +35,8 @@ def read_pairs(paths: tuple[str, ...], prompt_key: str = "prompt", response_key:
                limit: int = 100000) -> list[tuple[str, str]]:
     """Up to ``limit`` (prompt, response) string pairs from jsonl files (globs allowed), in file order."""
     pairs: list[tuple[str, str]] = []
-    for path in _expand(tuple(paths)):
-        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
+    for path in expand_paths(tuple(paths)):
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines()):  # pathlib or epath
             if not line.strip():
                 continue
             try:

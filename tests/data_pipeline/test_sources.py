@@ -118,3 +118,36 @@ def test_prefetch_keeps_stream_and_state(trained, corpus, read_threads, prefetch
         assert all(np.array_equal(x[k], y[k]) for k in x)
     for x, y in zip(want[3:], again, strict=True):
         assert all(np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_remote_uris_read_like_local_files(gcs_bucket, parquet_files, arrayrecord_files, texts):
+    """``data.paths`` as ``gs://`` URIs (through ``etils.epath``, here served from a local directory): text,
+    jsonl and parquet read the same documents as from local disk, patterns expand per directory level, and what
+    a remote source cannot do is refused by name."""
+    import pickle
+    import shutil
+
+    uri, local = gcs_bucket
+    (local / "a").mkdir(parents=True)
+    (local / "b").mkdir()
+    for k, part in enumerate((texts[:9], texts[9:])):
+        (local / "a" / f"{k}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    (local / "b" / "one.txt").write_text("a whole file\n")
+    for path in parquet_files:
+        shutil.copy(path, local / "b" / path.name)
+
+    jsonl = open_documents("jsonl", (f"{uri}/a/*.jsonl",))
+    assert jsonl == [t for t in texts if t] == open_documents("jsonl", tuple(str(p) for p in sorted(
+        (local / "a").glob("*.jsonl"))))
+    assert open_documents("text", (f"{uri}/b/one.txt",)) == ["a whole file\n"]
+    remote = open_documents("parquet", (f"{uri}/b/part-[01].parquet",), parquet_column="body")
+    assert list(remote) == texts and remote[-3] == texts[-3]
+    assert list(pickle.loads(pickle.dumps(remote))) == texts  # grain's workers get a copy that reopens its files
+
+    with pytest.raises(ConfigError, match=r"gs://bucket/a/\*\.txt.* matches no file"):
+        open_documents("text", (f"{uri}/a/*.txt",))
+    with pytest.raises(ConfigError, match=r"'\*\*' is not supported in remote paths"):
+        open_documents("jsonl", (f"{uri}/**/*.jsonl",))
+    shutil.copy(arrayrecord_files[0], local / "b" / "x.array_record")
+    with pytest.raises(ConfigError, match=r"gs://bucket/b/x.array_record: ArrayRecord .* local paths"):
+        open_documents("arrayrecord", (f"{uri}/b/*.array_record",))

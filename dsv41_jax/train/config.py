@@ -212,6 +212,12 @@ def validate(cfg: TrainConfig, source: str | None = None) -> None:
         _fail(f"key 'data.paths' must list files (or globs) when data.source is {d.source}", source)
     if d.packing not in PACKINGS:
         _fail(f"key 'data.packing' must be one of {', '.join(PACKINGS)}, got {d.packing!r}", source)
+    for key, value in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.jsonl", cfg.logging.jsonl),
+                       ("logging.tensorboard", cfg.logging.tensorboard)):
+        if value is not None and "://" in str(value):  # pathlib would make it a local directory named 'gs:'
+            _fail(f"key '{key}' is a URI ({value!r}): a run directory must be a local or mounted path (a bucket "
+                  "mounted with gcsfuse, e.g. /gcs/<bucket>/run, works; Orbax treats /gcs/ paths as GCS); "
+                  "data.paths take URIs", source)
     for key in ("seq_len", "batch_size", "max_documents", "tokenizer_train_documents", "packing_bins"):
         if getattr(d, key) is not None and getattr(d, key) < 1:
             _fail(f"key 'data.{key}' must be ≥ 1, got {getattr(d, key)}", source)

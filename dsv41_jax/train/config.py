@@ -215,9 +215,8 @@ def validate(cfg: TrainConfig, source: str | None = None) -> None:
     for key, value in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.jsonl", cfg.logging.jsonl),
                        ("logging.tensorboard", cfg.logging.tensorboard)):
         if value is not None and "://" in str(value):  # pathlib would make it a local directory named 'gs:'
-            _fail(f"key '{key}' is a URI ({value!r}): a run directory must be a local or mounted path (a bucket "
-                  "mounted with gcsfuse, e.g. /gcs/<bucket>/run, works; Orbax treats /gcs/ paths as GCS); "
-                  "data.paths take URIs", source)
+            _fail(f"key '{key}' is a URI ({value!r}): run directories are written through local file paths "
+                  "(a local disk, or a file system mounted on every host); data.paths take URIs", source)
     for key in ("seq_len", "batch_size", "max_documents", "tokenizer_train_documents", "packing_bins"):
         if getattr(d, key) is not None and getattr(d, key) < 1:
             _fail(f"key 'data.{key}' must be ≥ 1, got {getattr(d, key)}", source)

@@ -70,7 +70,7 @@ def test_overrides_reach_nested_keys():
                                              "total_steps": 10}, "steps": 11},
      r"key 'steps' \(11\) is beyond the learning-rate schedule's key 'optim\.total_steps' \(10\)"),
     ({"model": {"preset": "tiny"}, "checkpoint": {"dir": "gs://bucket/run"}},  # not a local dir named 'gs:'
-     r"key 'checkpoint\.dir' is a URI \('gs://bucket/run'\).*gcsfuse"),
+     r"key 'checkpoint\.dir' is a URI \('gs://bucket/run'\).*mounted on every host"),
     ({"model": {"preset": "tiny"}, "logging": {"tensorboard": "s3://b/tb"}}, r"key 'logging\.tensorboard' is a URI"),
 ])
 def test_rejects_with_key_and_file(tmp_path, data, match):

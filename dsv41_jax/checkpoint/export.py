@@ -299,7 +299,9 @@ def _sources(ckpt, run, base, log) -> tuple[object, C.ModelConfig, list[Path], P
         raise ValueError("export: give exactly one of ckpt, run")
     base = Path(base) if base is not None else None
     if run is not None:
-        return _run_sources(Path(run), base, log)
+        from dsv41_jax.train.remote import local_run
+
+        return _run_sources(local_run(run, log), base, log)
     ckpt = Path(ckpt)
     if not _is_converted(ckpt):
         raise ConvertError(f"--ckpt {ckpt}: not a `dsv41 convert` output (no manifest); for a training run use --run")

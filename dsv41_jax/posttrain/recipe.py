@@ -149,7 +149,7 @@ def setup_posttrain(cfg, model_cfg: C.ModelConfig, mesh, tok_path: Path, token_m
     ``init_from`` and a fresh optimizer, or, when the run directory has a checkpoint of its own (which the
     loop then restores), only the abstract shapes and shardings."""
     pcfg, d = cfg.posttrain, cfg.data
-    last = latest_step(cfg.checkpoint.dir)
+    last = latest_step(cfg.run_dir)
     resuming = last is not None
     tx = optimizer(model_cfg, cfg.optim)
     model = abstract_model(model_cfg)
@@ -158,7 +158,7 @@ def setup_posttrain(cfg, model_cfg: C.ModelConfig, mesh, tok_path: Path, token_m
         _, params, biases, _ = split_model(model)
         abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, biases, jax.eval_shape(tx.init, params))
         state = with_shardings(abstract, shardings)
-        kept = pcfg.drafter.train and stored_drafter(Path(cfg.checkpoint.dir) / "checkpoints" / str(last))
+        kept = pcfg.drafter.train and stored_drafter(cfg.run_dir / "checkpoints" / str(last))
         drafter = abstract_drafter(model_cfg) if kept else None
     else:
         params, biases = initial_variables(pcfg.init_from, model_cfg, shardings)

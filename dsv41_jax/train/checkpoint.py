@@ -77,8 +77,11 @@ def _sync(name: str) -> None:
 
 
 class RunCheckpointer:
-    def __init__(self, directory: str | Path, every: int, keep: int):
+    def __init__(self, directory: str | Path, every: int, keep: int, mirror=None):
+        """``mirror``: a :class:`~dsv41_jax.train.remote.RunMirror` (``directory`` is its local side) that
+        receives each confirmed step and, on :meth:`close`, the run's side files."""
         self.run_dir = Path(directory).absolute()
+        self.mirror = mirror
         self.dir = self.run_dir / "checkpoints"
         self.every = every
         self.keep = keep
@@ -142,6 +145,13 @@ class RunCheckpointer:
             except OSError as err:
                 raise self._failed(step, err) from err
         self.good = step
+        if self.mirror is not None:
+            try:
+                self.mirror.push(step)
+            except Exception as err:  # network, credentials, quota: the step is safe locally, the URI is behind
+                raise TrainingStopped(f"copying checkpoint step {step} to {self.mirror.uri} failed ({reason(err)}); "
+                                      f"the step is saved in {self.dir / str(step)}, and the same command resumes "
+                                      "from it and copies the next steps") from err
 
     def _failed(self, step: int, err: BaseException) -> TrainingStopped:
         return TrainingStopped(f"saving checkpoint step {step} to {self.dir} failed ({reason(err)}): free "
@@ -275,14 +285,24 @@ class RunCheckpointer:
             self.manager.reload()
 
     def close(self) -> None:
-        """Wait for the last save (its failure is raised after the manager is closed) and close the manager."""
+        """Wait for the last save (its failure is raised after the manager is closed), close the manager and
+        copy the side files (metrics) to the mirror's URI."""
+        failed = True
         try:
             self.wait()
+            failed = False
         finally:
             try:
                 self.manager.close()
             except Exception:  # a failed save was already raised by wait(); closing must not hide it
                 pass
+            if self.mirror is not None:
+                try:
+                    self.mirror.push()
+                except Exception as err:
+                    if not failed:  # else the save's failure is what the user must see
+                        raise TrainingStopped(f"copying the run's metrics to {self.mirror.uri} failed "
+                                              f"({reason(err)}); they are in {self.run_dir}") from err
 
 
 def check_writable(directory: str | Path) -> None:
@@ -316,9 +336,10 @@ def model_from_run(run_dir: str | Path, dtype: str = "float32", log: Callable[[s
     from dsv41_jax.optim import from_dict as optim_from_dict
     from dsv41_jax.optim import optimizer
     from dsv41_jax.posttrain.drafter import PosttrainState, abstract_drafter_state, stored_drafter
+    from dsv41_jax.train.remote import local_run
     from dsv41_jax.train.step import TrainState, split_model
 
-    run = Path(run_dir)
+    run = local_run(run_dir, log)  # a run at a URI: its mirror, with what it lacks copied down
     tok = run / "tokenizer.json"
     if not tok.is_file() or not (run / "checkpoints").is_dir():
         raise ConfigError(f"--run {run}: not a training run directory (expected tokenizer.json and "

@@ -139,13 +139,20 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def run_dir(self) -> Path:
+        """The local directory the run writes: ``checkpoint.dir``, or its mirror when that is a URI."""
+        from dsv41_jax.train.remote import run_directory
+
+        return run_directory(self.checkpoint.dir)
+
+    @property
     def metrics_path(self) -> Path:
-        return Path(self.logging.jsonl or Path(self.checkpoint.dir) / "metrics.jsonl")
+        return Path(self.logging.jsonl or self.run_dir / "metrics.jsonl")
 
     @property
     def tensorboard_dir(self) -> Path | None:
         tb = self.logging.tensorboard
-        return None if tb is None else Path(self.checkpoint.dir) / "tensorboard" if tb == "auto" else Path(tb)
+        return None if tb is None else self.run_dir / "tensorboard" if tb == "auto" else Path(tb)
 
 
 _SECTIONS = {"mesh": MeshConfig, "data": DataConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
@@ -212,11 +219,11 @@ def validate(cfg: TrainConfig, source: str | None = None) -> None:
         _fail(f"key 'data.paths' must list files (or globs) when data.source is {d.source}", source)
     if d.packing not in PACKINGS:
         _fail(f"key 'data.packing' must be one of {', '.join(PACKINGS)}, got {d.packing!r}", source)
-    for key, value in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.jsonl", cfg.logging.jsonl),
-                       ("logging.tensorboard", cfg.logging.tensorboard)):
-        if value is not None and "://" in str(value):  # pathlib would make it a local directory named 'gs:'
-            _fail(f"key '{key}' is a URI ({value!r}): run directories are written through local file paths "
-                  "(a local disk, or a file system mounted on every host); data.paths take URIs", source)
+    for key, value in (("logging.jsonl", cfg.logging.jsonl), ("logging.tensorboard", cfg.logging.tensorboard)):
+        if value is not None and value != "auto" and "://" in str(value):  # pathlib: a local directory 'gs:'
+            _fail(f"key '{key}' is a URI ({value!r}): metrics are written to local files; with checkpoint.dir at "
+                  "a URI the defaults (null / auto) put them in the run's mirror, and metrics.jsonl is copied to "
+                  "the URI", source)
     for key in ("seq_len", "batch_size", "max_documents", "tokenizer_train_documents", "packing_bins"):
         if getattr(d, key) is not None and getattr(d, key) < 1:
             _fail(f"key 'data.{key}' must be ≥ 1, got {getattr(d, key)}", source)

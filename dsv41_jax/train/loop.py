@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -23,6 +22,7 @@ from dsv41_jax.train.checkpoint import RunCheckpointer, check_writable
 from dsv41_jax.train.config import TrainConfig
 from dsv41_jax.train.guard import NonFiniteGuard, stopping
 from dsv41_jax.train.preflight import check_fits, device_limit_gb, format_preflight, peak_flops, preflight
+from dsv41_jax.train.remote import RunMirror, is_uri, run_directory
 from dsv41_jax.train.report import RunReport
 from dsv41_jax.train.step import batch_sharding, build_mesh, init_state
 from dsv41_jax.train.validation import Validator, hold_out, validator_for
@@ -67,7 +67,15 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
     if cfg.data.batch_size % per_batch:
         raise ConfigError(f"{source}: data.batch_size {cfg.data.batch_size} is not divisible by mesh "
                           f"data×fsdp×expert = {per_batch}")
-    run_dir = Path(cfg.checkpoint.dir)
+    mirror = None
+    if is_uri(cfg.checkpoint.dir):  # the run works in a local mirror and copies finished steps to the URI
+        if jax.process_count() > 1:
+            raise ConfigError(f"{source}: checkpoint.dir {cfg.checkpoint.dir!r} is a URI, which takes one process; "
+                              "several processes write one checkpoint together into a directory they all mount")
+        mirror = RunMirror(cfg.checkpoint.dir, log)
+        mirror.pull()
+        log(f"checkpoint.dir {cfg.checkpoint.dir}: working in {mirror.local}, finished steps are copied there")
+    run_dir = run_directory(cfg.checkpoint.dir)
     check_writable(run_dir)  # before the tokenizer, metrics or a checkpoint are written there
     d = cfg.data
     docs = open_documents(d.source, d.paths, d.max_documents, jsonl_key=d.jsonl_key,
@@ -110,7 +118,7 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
         from dsv41_jax.posttrain.recipe import setup_posttrain
 
         state, step_fn, ds, data = setup_posttrain(cfg, model_cfg, mesh, tok_path, token_map, docs, log)
-    ck = RunCheckpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
+    ck = RunCheckpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep, mirror)
     try:
         ck.check_room(state, log)
         resumed = ck.restore_latest(state, log=log, start_fresh=cfg.checkpoint.start_fresh)

@@ -69,9 +69,9 @@ def test_overrides_reach_nested_keys():
     ({"model": {"preset": "tiny"}, "optim": {"warmup_steps": 2, "constant_until": 5, "decay_until": 8,
                                              "total_steps": 10}, "steps": 11},
      r"key 'steps' \(11\) is beyond the learning-rate schedule's key 'optim\.total_steps' \(10\)"),
-    ({"model": {"preset": "tiny"}, "checkpoint": {"dir": "gs://bucket/run"}},  # not a local dir named 'gs:'
-     r"key 'checkpoint\.dir' is a URI \('gs://bucket/run'\).*mounted on every host"),
-    ({"model": {"preset": "tiny"}, "logging": {"tensorboard": "s3://b/tb"}}, r"key 'logging\.tensorboard' is a URI"),
+    ({"model": {"preset": "tiny"}, "logging": {"tensorboard": "s3://b/tb"}},  # not a local directory named 's3:'
+     r"key 'logging\.tensorboard' is a URI \('s3://b/tb'\): metrics are written to local files"),
+    ({"model": {"preset": "tiny"}, "logging": {"jsonl": "gs://b/m.jsonl"}}, r"key 'logging\.jsonl' is a URI"),
 ])
 def test_rejects_with_key_and_file(tmp_path, data, match):
     path = _write(tmp_path, data)

@@ -18,11 +18,13 @@ the same command skips them), and an atomic finish (Orbax metadata, copies, mani
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import os
 import shutil
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ from dsv41_jax.checkpoint.safetensors import SafetensorsError, ShardedCheckpoint
 __all__ = ["MANIFEST", "PARAMS", "ConvertError", "ConvertResult", "convert", "parse_mesh", "read_manifest"]
 
 MANIFEST = "dsv41_checkpoint.json"
+INDEX = "model.safetensors.index.json"  # a release-format directory's file that names every shard
 PARAMS = "params"
 FORMAT, VERSION = "dsv41-orbax-params", 1
 MESH_AXES = ("data", "fsdp", "expert", "tensor")  # dsv41_jax.sharding
@@ -224,6 +227,33 @@ def _finish(partial: Path, out: Path, hf_dir: Path, outputs: list[Output], manif
     store.fsync_dir(out.parent)
 
 
+def _convert_to_uri(hf_dir: Path, uri: str, weights: str, mesh, chunk_bytes: int, progress: bool, stream,
+                    say) -> ConvertResult:
+    from dsv41_jax.train import remote
+
+    t0 = time.monotonic()
+    there = remote.remote_state(uri, MANIFEST, "--out")
+    if there != "empty":
+        what = "holds a finished conversion" if there == "finished" else "exists and is not empty"
+        raise ConvertError(f"--out {uri} {what}; choose a new directory or delete it")
+    local = remote.run_directory(uri, "--out")
+    if (local / MANIFEST).is_file():  # converted before; its upload was cut off
+        m = read_manifest(local)
+        if m["weights"] != weights:
+            raise ConvertError(f"--out {uri}: its local copy {local} holds a {m['weights']} conversion, not "
+                               f"{weights}; delete it or convert to another --out")
+        say(f"convert: {local} holds the finished conversion; copying it to {uri}")
+        result = ConvertResult(uri, weights, m["n_arrays"], 0, m["n_arrays"], m["source"]["bytes"],
+                               m["array_bytes"], 0.0)
+    else:
+        if local.is_dir() and not any(local.iterdir()):
+            local.rmdir()
+        result = convert(hf_dir, local, weights=weights, mesh=mesh, chunk_bytes=chunk_bytes, progress=progress,
+                         stream=stream)
+    remote.publish(local, uri, MANIFEST, say)
+    return dataclasses.replace(result, out=uri, seconds=time.monotonic() - t0)
+
+
 def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, *, weights: str = "fp32",
             mesh: Mapping[str, int] | None = None, chunk_bytes: int = 256 << 20, progress: bool = True,
             stream: TextIO | None = None) -> ConvertResult:
@@ -233,9 +263,15 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, *, weights: str =
     the offending tensors by name before anything is written.
     """
     t0 = time.monotonic()
-    hf_dir, out = Path(hf_dir), Path(out)
     if weights not in MODES:
         raise ConvertError(f"--weights {weights!r}: choose one of {', '.join(MODES)}")
+    from dsv41_jax.train import remote
+
+    say = (lambda m: print(m, file=stream or sys.stderr)) if progress else (lambda _: None)
+    hf_dir = remote.local_copy(hf_dir, INDEX, "--hf-dir", say)
+    if remote.is_uri(out):  # converted in the URI's local mirror (resumable there), then copied up, manifest last
+        return _convert_to_uri(hf_dir, str(out), weights, mesh, chunk_bytes, progress, stream, say)
+    out = Path(out)
     _check_out(out)
     if not (hf_dir / "config.json").is_file():
         raise ConvertError(f"--hf-dir {hf_dir}: no config.json (expected the release's directory layout)")

@@ -22,6 +22,7 @@ The shards are written into ``OUT.partial/``, which is renamed to ``OUT`` when e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -302,7 +303,10 @@ def _sources(ckpt, run, base, log) -> tuple[object, C.ModelConfig, list[Path], P
         from dsv41_jax.train.remote import local_run
 
         return _run_sources(local_run(run, log), base, log)
-    ckpt = Path(ckpt)
+    from dsv41_jax.checkpoint.convert import MANIFEST
+    from dsv41_jax.train.remote import local_copy
+
+    ckpt = local_copy(ckpt, MANIFEST, "--ckpt", log)
     if not _is_converted(ckpt):
         raise ConvertError(f"--ckpt {ckpt}: not a `dsv41 convert` output (no manifest); for a training run use --run")
     cfg = C.from_hf(ckpt / "config.json")
@@ -330,6 +334,17 @@ def export(out: str | os.PathLike, *, ckpt: str | os.PathLike | None = None, run
     t0 = time.monotonic()
     if weights not in WEIGHTS:
         raise ConvertError(f"export --weights {weights!r}: choose one of {', '.join(WEIGHTS)}")
+    from dsv41_jax.train import remote
+
+    if remote.is_uri(out):  # written in the URI's local mirror, then copied up, the index last
+        uri, out = str(out), remote.run_directory(out, "--out")
+        if remote.remote_state(uri, INDEX, "--out") != "empty":
+            raise ConvertError(f"--out {uri} exists and is not empty; choose a new directory or delete it")
+        shutil.rmtree(out, ignore_errors=True)  # an earlier export there: exports restart whole
+        result = export(out, ckpt=ckpt, run=run, base=base, weights=weights, chunk_bytes=chunk_bytes,
+                        shard_bytes=shard_bytes, progress=progress, stream=stream, log=log)
+        remote.publish(out, uri, INDEX, log)
+        return dataclasses.replace(result, out=uri, seconds=time.monotonic() - t0)
     out = Path(out)
     _check_out(out)
     src, cfg, sources, config_from = _sources(ckpt, run, base, log)

@@ -28,7 +28,7 @@ from dsv41_jax.sharding import state_partition_specs
 def model_from_hf(hf_dir: str | os.PathLike, *, dtype: str = "float32", param_dtype: str = "float32"
                   ) -> tuple[Transformer, EngramHasher]:
     """The text backbone with the checkpoint's weights, and the Engram hasher of its ``tokenizer.json``."""
-    hf_dir = Path(hf_dir)
+    hf_dir = _local("--hf-dir", hf_dir)
     cfg = C.from_hf(hf_dir).replace(dtype=dtype, param_dtype=param_dtype)
     model = _placeholder(abstract_model(cfg))
     assign(model, load_hf_params(hf_dir, include=lambda name: not name.startswith(NON_BACKBONE_PREFIXES)))
@@ -48,7 +48,7 @@ def drafter_from_orbax(ckpt_dir: str | os.PathLike, cfg: C.ModelConfig) -> DSpar
     """The DSpark drafter (``mtp.*``) of a converted checkpoint, for the config the backbone was restored with."""
     from dsv41_jax.checkpoint.convert import read_manifest
 
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = _local("--ckpt", ckpt_dir)
     params_dir = ckpt_dir / read_manifest(ckpt_dir)["params"]
     drafter = abstract_drafter(cfg)
     variables = flat_variables(drafter)
@@ -67,7 +67,9 @@ def load_drafter(cfg: C.ModelConfig, *, ckpt: str | os.PathLike | None = None,
     if (ckpt is None) == (hf_dir is None):
         raise ValueError("load_drafter: give exactly one of ckpt, hf_dir (a training run holds no drafter)")
     try:
-        return drafter_from_orbax(ckpt, cfg) if ckpt is not None else drafter_from_hf(hf_dir, cfg)
+        if ckpt is not None:
+            return drafter_from_orbax(_local("--ckpt", ckpt), cfg)
+        return drafter_from_hf(_local("--hf-dir", hf_dir), cfg)
     except (C.ConfigError, TypeError, AttributeError, NameError, AssertionError):
         raise
     except Exception as err:
@@ -117,7 +119,7 @@ def model_from_orbax(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", par
     """
     from dsv41_jax.checkpoint.convert import read_manifest
 
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = _local("--ckpt", ckpt_dir)  # a URI: its local mirror
     manifest = read_manifest(ckpt_dir)
     default = "float32" if manifest["weights"] == "fp32" else "bfloat16"
     cfg = C.from_hf(ckpt_dir / "config.json").replace(
@@ -163,6 +165,11 @@ def load_model(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike 
         model, hasher, tok, step = model_from_run(run, dtype=dtype, log=log)
         return Loaded(model, hasher, Path(tok), step)
     flag, where = ("--ckpt", ckpt) if ckpt is not None else ("--hf-dir", hf_dir)
+    where = _local(flag, where, log)
+    if ckpt is not None:
+        ckpt = where
+    else:
+        hf_dir = where
     quiet_orbax_errors()
     if not Path(where).is_dir():
         raise CheckpointUnreadable(f"{flag} {where}: no such directory")
@@ -181,6 +188,14 @@ def load_model(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike 
     return Loaded(model, hasher, Path(where) / "tokenizer.json")
 
 
+def _local(flag: str, where, log=print) -> Path:
+    """``where``, or (a URI) its local mirror, the whole directory copied down the first time it is read."""
+    from dsv41_jax.checkpoint.convert import INDEX, MANIFEST
+    from dsv41_jax.train.remote import local_copy
+
+    return local_copy(where, MANIFEST if flag == "--ckpt" else INDEX, flag, log)
+
+
 class CheckpointUnreadable(C.ConfigError):
     """A checkpoint on disk that cannot be read (missing, truncated or corrupt files); the message names it."""
 
@@ -193,7 +208,7 @@ def vision_encoder(*, ckpt: str | os.PathLike | None = None, hf_dir: str | os.Pa
 
     if (ckpt is None) == (hf_dir is None):
         raise ValueError("vision_encoder: give exactly one of ckpt, hf_dir")
-    where = Path(ckpt if ckpt is not None else hf_dir)
+    where = _local("--ckpt" if ckpt is not None else "--hf-dir", ckpt if ckpt is not None else hf_dir)
     if ckpt is not None:
         from dsv41_jax.checkpoint.convert import read_manifest
 

@@ -17,6 +17,12 @@ and every complete step. A new machine with an empty mirror therefore resumes wh
 runs on the training thread after the save is confirmed: a step's upload time is added to that step. One
 process only: several processes must share ``checkpoint.dir`` on a file system they all mount (Orbax writes
 one step from all of them).
+
+Finished checkpoint directories (``dsv41 convert`` outputs, release-format directories) at a URI go the same
+way, whole: :func:`local_copy` copies a directory down into its mirror the first time it is read (``--ckpt``,
+``--hf-dir`` at a URI), and :func:`publish` copies a directory written locally up to its URI (``convert`` and
+``export`` with ``--out`` at a URI), its completion file last (the manifest, the safetensors index), so a reader
+never takes a cut-off upload for a finished one and a rerun of the same command sends it again.
 """
 
 from __future__ import annotations
@@ -40,14 +46,15 @@ def mirror_root() -> Path:
     return Path(os.environ.get("DSV41_RUN_MIRROR") or Path.home() / ".cache" / "dsv41_jax" / "runs")
 
 
-def run_directory(directory: str | os.PathLike) -> Path:
-    """The local directory a run at ``directory`` works in: the directory itself, or a URI's mirror."""
+def run_directory(directory: str | os.PathLike, what: str = "checkpoint.dir") -> Path:
+    """The local directory a run (or checkpoint) at ``directory`` works in: the directory itself, or a URI's
+    mirror. ``what`` names the key or flag in errors."""
     if not is_uri(directory):
         return Path(directory)
     scheme, rest = str(directory).split("://", 1)
     parts = [p for p in rest.split("/") if p]
     if not parts or any(p in (".", "..") for p in parts):
-        raise ConfigError(f"checkpoint.dir {directory!r}: a URI needs a bucket and a path without '.' or '..'")
+        raise ConfigError(f"{what} {directory!r}: a URI needs a bucket and a path without '.' or '..'")
     return mirror_root().joinpath(scheme, *parts)
 
 
@@ -68,6 +75,60 @@ def _files(root) -> list[tuple[str, object]]:
             path = directory / name
             out.append((os.path.relpath(os.fspath(path), os.fspath(root)), path))
     return sorted(out, key=lambda item: item[0])
+
+
+def local_copy(path: str | os.PathLike, marker: str, what: str, log: Callable[[str], None] = print) -> Path:
+    """``path`` itself, or (a URI) its mirror holding the whole directory, copied down the first time: the
+    directory at the URI must hold ``marker`` (the file its writer writes last). ``what`` names the flag."""
+    if not is_uri(path):
+        return Path(path)
+    from etils import epath
+
+    local, remote = run_directory(path, what), epath.Path(str(path))
+    if (local / marker).is_file():
+        return local
+    try:
+        finished = (remote / marker).is_file()
+    except Exception as err:  # no file-system package for the scheme, credentials, network
+        raise ConfigError(f"{what} {path}: cannot read it ({type(err).__name__}: {err})") from err
+    if not finished:
+        raise ConfigError(f"{what} {path}: no {marker} there; not a finished directory (an upload cut off, or "
+                          "the wrong path)")
+    files = [(rel, src) for rel, src in _files(remote) if rel != marker] + [(marker, remote / marker)]
+    log(f"{what} {path}: copying {len(files)} files into {local}")
+    tmp = local.with_name(f"{local.name}.dsv41-download")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for rel, src in files:
+        _copy(src, tmp / rel)
+    shutil.rmtree(local, ignore_errors=True)  # an earlier copy without its marker
+    tmp.rename(local)
+    return local
+
+
+def remote_state(uri: str, marker: str, what: str) -> str:
+    """``"finished"`` (``marker`` there), ``"empty"`` (nothing there) or ``"other"`` for the directory at ``uri``."""
+    from etils import epath
+
+    remote = epath.Path(uri)
+    try:
+        if (remote / marker).is_file():
+            return "finished"
+        return "other" if remote.exists() and (not remote.is_dir() or any(remote.iterdir())) else "empty"
+    except Exception as err:
+        raise ConfigError(f"{what} {uri}: cannot read it ({type(err).__name__}: {err})") from err
+
+
+def publish(local: Path, uri: str, marker: str, log: Callable[[str], None] = print) -> None:
+    """Copy the finished directory ``local`` to ``uri``, ``marker`` last; files already there are replaced."""
+    from etils import epath
+
+    remote = epath.Path(uri)
+    files = _files(local)
+    if (remote / marker).exists():
+        (remote / marker).unlink()  # a reader must not take a half-replaced directory for a finished one
+    for rel, src in [f for f in files if f[0] != marker] + [f for f in files if f[0] == marker]:
+        _copy(src, remote / rel)
+    log(f"copied {len(files)} files from {local} to {uri}")
 
 
 def local_run(run: str | os.PathLike, log: Callable[[str], None] = print) -> Path:

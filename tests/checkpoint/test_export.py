@@ -16,6 +16,7 @@ from dsv41_jax.checkpoint import encode, hf, store
 from dsv41_jax.checkpoint.convert import convert
 from dsv41_jax.checkpoint.export import export
 from dsv41_jax.checkpoint.inventory import expected_inventory
+from dsv41_jax.checkpoint.plan import ConvertError
 from dsv41_jax.checkpoint.safetensors import ShardedCheckpoint
 from dsv41_jax.cli import main
 
@@ -190,3 +191,55 @@ def test_a_finetuned_run_exports_reconverts_and_scores_to_its_own_logits(finetun
     exported = hf.load_hf_params(tmp_path / "hf", include=lambda n: n in names)
     for name in names:
         np.testing.assert_array_equal(exported[name], start[name], err_msg=name)
+
+
+def test_checkpoints_at_a_uri_convert_export_and_load_through_a_local_mirror(golden_dir, golden_native, gcs_bucket,
+                                                                            tmp_path, monkeypatch, capsys):
+    # gs://bucket/... served from a local directory through etils.epath (tests/conftest.py): the release there
+    # converts to a URI, exports back to one byte for byte, loads by --ckpt URI on a machine with an empty mirror,
+    # and a directory whose completion file (manifest, index) is missing is refused by name, never half-read.
+    import shutil
+
+    from dsv41_jax.checkpoint.convert import MANIFEST
+    from dsv41_jax.checkpoint.load import load_model
+    from dsv41_jax.config import ConfigError
+
+    uri, bucket = gcs_bucket
+    mirror = tmp_path / "mirror"
+    monkeypatch.setenv("DSV41_RUN_MIRROR", str(mirror))
+    release = golden_dir / "tiny_hf"
+    shutil.copytree(release, bucket / "hf")
+    assert main(["convert", "--hf-dir", f"{uri}/hf", "--out", f"{uri}/ckpt", "--quiet"]) == 0
+    there = bucket / "ckpt"
+    assert (there / MANIFEST).is_file() and _files(there / "params") == _files(golden_native / "params")
+    for f in _files(golden_native / "params"):
+        assert filecmp.cmp(golden_native / "params" / f, there / "params" / f, shallow=False), f
+
+    shutil.rmtree(mirror)  # another machine
+    assert main(["export", "--ckpt", f"{uri}/ckpt", "--out", f"{uri}/out", "--quiet"]) == 0
+    assert _files(bucket / "out") == _files(release)
+    for f in _files(release):
+        assert filecmp.cmp(release / f, bucket / "out" / f, shallow=False), f
+    with pytest.raises(ConvertError, match=r"--out gs://bucket/out exists and is not empty"):
+        export(f"{uri}/out", ckpt=f"{uri}/ckpt", progress=False, log=lambda _: None)
+
+    shutil.rmtree(mirror)
+    loaded = load_model(ckpt=f"{uri}/ckpt", log=lambda _: None)
+    local = load_model(ckpt=golden_native, log=lambda _: None)
+    from dsv41_jax.checkpoint.tree import flat_variables
+
+    want = flat_variables(local.model)
+    for name, var in flat_variables(loaded.model).items():
+        np.testing.assert_array_equal(np.asarray(var[...]), np.asarray(want[name][...]), err_msg=name)
+
+    # an upload cut off before its manifest: not a checkpoint; a conversion whose upload was cut off is sent again
+    shutil.rmtree(mirror)
+    (there / MANIFEST).unlink()
+    with pytest.raises(ConfigError, match=r"--ckpt gs://bucket/ckpt: no dsv41_checkpoint.json there"):
+        load_model(ckpt=f"{uri}/ckpt", log=lambda _: None)
+    shutil.rmtree(there)
+    shutil.copytree(golden_native, mirror / "gs" / "bucket" / "ckpt")  # converted here, nothing copied up yet
+    result = convert(f"{uri}/hf", f"{uri}/ckpt", weights="native", progress=False)
+    assert result.written == 0 and result.out == f"{uri}/ckpt" and (there / MANIFEST).is_file()
+    with pytest.raises(ConvertError, match=r"--out gs://bucket/ckpt holds a finished conversion"):
+        convert(f"{uri}/hf", f"{uri}/ckpt", weights="native", progress=False)

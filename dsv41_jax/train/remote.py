@@ -65,6 +65,19 @@ def _copy(src, dst) -> None:
         shutil.copyfileobj(fin, fout, 8 << 20)
 
 
+def _send(pairs: list[tuple[object, object]], prefix: str) -> None:
+    """Copy each ``(src, dst)`` file in order, with a progress line in bytes on stderr while it takes long (a
+    release-size checkpoint is hundreds of GB)."""
+    from dsv41_jax.checkpoint.progress import Progress
+
+    stats = [src.stat() for src, _ in pairs]  # os.stat_result locally, epath's StatResult remotely
+    sizes = [getattr(st, "st_size", None) or getattr(st, "length", 0) for st in stats]
+    prog = Progress(sum(sizes), prefix=prefix)
+    for (src, dst), n in zip(pairs, sizes, strict=True):
+        _copy(src, dst)
+        prog.advance(n, os.fspath(dst)[-60:])
+
+
 def _files(root) -> list[tuple[str, object]]:
     """(relative path, path) of every file under ``root`` (local or remote), sorted."""
     from etils import epath
@@ -98,8 +111,7 @@ def local_copy(path: str | os.PathLike, marker: str, what: str, log: Callable[[s
     log(f"{what} {path}: copying {len(files)} files into {local}")
     tmp = local.with_name(f"{local.name}.dsv41-download")
     shutil.rmtree(tmp, ignore_errors=True)
-    for rel, src in files:
-        _copy(src, tmp / rel)
+    _send([(src, tmp / rel) for rel, src in files], "download")
     shutil.rmtree(local, ignore_errors=True)  # an earlier copy without its marker
     tmp.rename(local)
     return local
@@ -126,8 +138,8 @@ def publish(local: Path, uri: str, marker: str, log: Callable[[str], None] = pri
     files = _files(local)
     if (remote / marker).exists():
         (remote / marker).unlink()  # a reader must not take a half-replaced directory for a finished one
-    for rel, src in [f for f in files if f[0] != marker] + [f for f in files if f[0] == marker]:
-        _copy(src, remote / rel)
+    ordered = [f for f in files if f[0] != marker] + [f for f in files if f[0] == marker]
+    _send([(src, remote / rel) for rel, src in ordered], "upload")
     log(f"copied {len(files)} files from {local} to {uri}")
 
 
@@ -177,17 +189,14 @@ class RunMirror:
             self.log(f"copying checkpoint step {name} from {src} to {dst}")
             tmp = dst.with_name(f"{name}.dsv41-download")
             shutil.rmtree(tmp, ignore_errors=True)
-            for rel, path in _files(src):
-                if rel != MARK:
-                    _copy(path, Path(tmp) / rel)
+            _send([(path, Path(tmp) / rel) for rel, path in _files(src) if rel != MARK], "download")
             tmp.rename(dst)
 
     def push(self, step: int | None = None) -> None:
         """Copy ``step``'s directory (when given), then the side files; delete steps the mirror no longer holds."""
         if step is not None:
             src, dst = self.local / "checkpoints" / str(step), self.remote / "checkpoints" / str(step)
-            for rel, path in _files(src):
-                _copy(path, dst / rel)
+            _send([(path, dst / rel) for rel, path in _files(src)], "upload")
             (dst / MARK).write_text(f"{step}\n")
             held = {p.name for p in (self.local / "checkpoints").iterdir() if p.name.isdigit()}
             for name, stale in self._step_dirs().items():

@@ -36,11 +36,13 @@ import numpy as np
 
 from dsv41_jax import config as C
 from dsv41_jax.checkpoint import encode
+from dsv41_jax.checkpoint.convert import MANIFEST
 from dsv41_jax.checkpoint.hf import _apply_block_scale, _decode_fp4, _scale_f32
 from dsv41_jax.checkpoint.inventory import TensorSpec, dequantised, expected_inventory
 from dsv41_jax.checkpoint.plan import ConvertError, _pairs, validate_source
 from dsv41_jax.checkpoint.progress import Progress, human_bytes, human_seconds
 from dsv41_jax.checkpoint.safetensors import DTYPES, ShardedCheckpoint, write_streamed
+from dsv41_jax.train import remote
 
 __all__ = ["WEIGHTS", "ExportResult", "export"]
 
@@ -269,8 +271,6 @@ def _check_out(out: Path) -> None:
 
 
 def _is_converted(path: str | os.PathLike | None) -> bool:
-    from dsv41_jax.checkpoint.convert import MANIFEST
-
     return path is not None and (Path(path) / MANIFEST).is_file()
 
 
@@ -283,6 +283,11 @@ def _run_sources(run: Path, base: Path | None, log) -> tuple[object, C.ModelConf
     cfg = run_model_config(run, saved)
     if base is None:
         init_from = (saved.get("posttrain") or {}).get("init_from")
+        if init_from is not None and remote.is_uri(init_from):  # a converted checkpoint at a URI (else a run's)
+            from etils import epath
+
+            init_from = remote.local_copy(init_from, MANIFEST, "posttrain.init_from", log) \
+                if (epath.Path(init_from) / MANIFEST).exists() else None
         base = Path(init_from) if _is_converted(init_from) else None
     if base is not None:
         if not _is_converted(base):
@@ -298,15 +303,11 @@ def _run_sources(run: Path, base: Path | None, log) -> tuple[object, C.ModelConf
 def _sources(ckpt, run, base, log) -> tuple[object, C.ModelConfig, list[Path], Path | None]:
     if (ckpt is None) == (run is None):
         raise ValueError("export: give exactly one of ckpt, run")
-    base = Path(base) if base is not None else None
+    if base is not None:
+        base = remote.local_copy(base, MANIFEST, "--base", log)
     if run is not None:
-        from dsv41_jax.train.remote import local_run
-
-        return _run_sources(local_run(run, log), base, log)
-    from dsv41_jax.checkpoint.convert import MANIFEST
-    from dsv41_jax.train.remote import local_copy
-
-    ckpt = local_copy(ckpt, MANIFEST, "--ckpt", log)
+        return _run_sources(remote.local_run(run, log), base, log)
+    ckpt = remote.local_copy(ckpt, MANIFEST, "--ckpt", log)
     if not _is_converted(ckpt):
         raise ConvertError(f"--ckpt {ckpt}: not a `dsv41 convert` output (no manifest); for a training run use --run")
     cfg = C.from_hf(ckpt / "config.json")
@@ -334,8 +335,6 @@ def export(out: str | os.PathLike, *, ckpt: str | os.PathLike | None = None, run
     t0 = time.monotonic()
     if weights not in WEIGHTS:
         raise ConvertError(f"export --weights {weights!r}: choose one of {', '.join(WEIGHTS)}")
-    from dsv41_jax.train import remote
-
     if remote.is_uri(out):  # written in the URI's local mirror, then copied up, the index last
         uri, out = str(out), remote.run_directory(out, "--out")
         if remote.remote_state(uri, INDEX, "--out") != "empty":

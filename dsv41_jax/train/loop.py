@@ -22,7 +22,7 @@ from dsv41_jax.train.checkpoint import RunCheckpointer, check_writable
 from dsv41_jax.train.config import TrainConfig
 from dsv41_jax.train.guard import NonFiniteGuard, stopping
 from dsv41_jax.train.preflight import check_fits, device_limit_gb, format_preflight, peak_flops, preflight
-from dsv41_jax.train.remote import RunMirror, is_uri, run_directory
+from dsv41_jax.train.remote import RunMirror, is_uri, local_source, run_directory
 from dsv41_jax.train.report import RunReport
 from dsv41_jax.train.step import batch_sharding, build_mesh, init_state
 from dsv41_jax.train.validation import Validator, hold_out, validator_for
@@ -75,6 +75,9 @@ def setup(cfg: TrainConfig, source: str | None = None, log: Callable[[str], None
         mirror = RunMirror(cfg.checkpoint.dir, log)
         mirror.pull()
         log(f"checkpoint.dir {cfg.checkpoint.dir}: working in {mirror.local}, finished steps are copied there")
+    if cfg.posttrain is not None and is_uri(cfg.posttrain.init_from):  # read from its local copy
+        init_from = local_source(cfg.posttrain.init_from, "posttrain.init_from", log)
+        cfg = cfg.replace(posttrain=dataclasses.replace(cfg.posttrain, init_from=str(init_from)))
     run_dir = run_directory(cfg.checkpoint.dir)
     check_writable(run_dir)  # before the tokenizer, metrics or a checkpoint are written there
     d = cfg.data

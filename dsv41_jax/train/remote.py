@@ -143,6 +143,22 @@ def publish(local: Path, uri: str, marker: str, log: Callable[[str], None] = pri
     log(f"copied {len(files)} files from {local} to {uri}")
 
 
+def local_source(path: str | os.PathLike, what: str, log: Callable[[str], None] = print) -> Path:
+    """A ``dsv41 train`` run directory or a ``dsv41 convert`` output at ``path`` (``posttrain.init_from``), local:
+    a URI holding ``checkpoints/`` is a run (:func:`local_run`), else a converted checkpoint (:func:`local_copy`)."""
+    if not is_uri(path):
+        return Path(path)
+    from etils import epath
+
+    from dsv41_jax.checkpoint.convert import MANIFEST
+
+    try:
+        is_run = (epath.Path(str(path)) / "checkpoints").is_dir()
+    except Exception as err:
+        raise ConfigError(f"{what} {path}: cannot read it ({type(err).__name__}: {err})") from err
+    return local_run(path, log) if is_run else local_copy(path, MANIFEST, what, log)
+
+
 def local_run(run: str | os.PathLike, log: Callable[[str], None] = print) -> Path:
     """The local directory of the run at ``run``: the path itself, or (a URI) its mirror after :meth:`RunMirror.pull`
     (``dsv41 sample / score / export / plot --run gs://...``)."""

@@ -1,0 +1,66 @@
+"""``dsv41_jax.train.remote`` on ``gs://`` paths served from a local directory (``gcs_bucket``): what a
+fine-tuning run's ``posttrain.init_from`` at a URI resolves to, and what is refused. The training loop's and
+the converter's own URI runs are in ``test_loop.py`` and ``tests/checkpoint/test_export.py``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsv41_jax.checkpoint.convert import MANIFEST
+from dsv41_jax.config import ConfigError
+from dsv41_jax.train import remote
+
+
+def _write(root, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+
+
+def test_init_from_a_uri_is_a_run_or_a_converted_checkpoint(gcs_bucket, tmp_path, monkeypatch):
+    uri, bucket = gcs_bucket
+    monkeypatch.setenv("DSV41_RUN_MIRROR", str(tmp_path / "mirror"))
+    run = {"tokenizer.json": b"{}", "metrics.jsonl": b'{"step": 3}\n', "checkpoints/3/state/a": b"\x01" * 100,
+           f"checkpoints/3/{remote.MARK}": b"3\n", "checkpoints/4/state/a": b"\x02" * 100}  # 4: cut off
+    ckpt = {"config.json": b"{}", "params/x/0": b"\x03" * 50, MANIFEST: json.dumps({"format": "x"}).encode()}
+    _write(bucket / "run", run)
+    _write(bucket / "ckpt", ckpt)
+    logs = []
+
+    local = remote.local_source(f"{uri}/run", "posttrain.init_from", logs.append)
+    assert local == tmp_path / "mirror" / "gs" / "bucket" / "run"
+    assert (local / "checkpoints" / "3" / "state" / "a").read_bytes() == run["checkpoints/3/state/a"]
+    assert not (local / "checkpoints" / "4").exists() and (local / "tokenizer.json").is_file()
+    assert any("never finished" in m for m in logs), logs
+
+    local = remote.local_source(f"{uri}/ckpt", "posttrain.init_from", logs.append)
+    got = {str(p.relative_to(local)): p.read_bytes() for p in local.rglob("*") if p.is_file()}
+    assert got == ckpt
+    (bucket / "ckpt" / "params" / "x" / "0").write_bytes(b"changed")  # read once: the mirror is what loads
+    assert remote.local_source(f"{uri}/ckpt", "w", logs.append) == local
+    assert (local / "params" / "x" / "0").read_bytes() == ckpt["params/x/0"]
+
+    (bucket / "half").mkdir()
+    (bucket / "half" / "config.json").write_bytes(b"{}")  # an upload cut off before its manifest
+    with pytest.raises(ConfigError, match=r"posttrain\.init_from gs://bucket/half: no dsv41_checkpoint\.json there"):
+        remote.local_source(f"{uri}/half", "posttrain.init_from", logs.append)
+    assert not (tmp_path / "mirror" / "gs" / "bucket" / "half").exists()
+    assert remote.local_source(tmp_path / "plain", "x") == tmp_path / "plain"  # a local path stays itself
+
+
+def test_publish_writes_every_file_and_the_marker_last(gcs_bucket, tmp_path, monkeypatch):
+    uri, bucket = gcs_bucket
+    src = tmp_path / "out"
+    files = {"a/b": b"1" * 10, "c": b"2", "index.json": b"{}"}
+    _write(src, files)
+    order = []
+    real = remote._copy
+    monkeypatch.setattr(remote, "_copy", lambda s, d: (order.append(str(d)), real(s, d)))
+    remote.publish(src, f"{uri}/out", "index.json", lambda _: None)
+    assert order[-1].endswith("/out/index.json") and len(order) == 3
+    assert {str(p.relative_to(bucket / "out")): p.read_bytes() for p in (bucket / "out").rglob("*")
+            if p.is_file()} == files
+    assert remote.remote_state(f"{uri}/out", "index.json", "--out") == "finished"
+    assert remote.remote_state(f"{uri}/nothing", "index.json", "--out") == "empty"

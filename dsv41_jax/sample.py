@@ -106,7 +106,7 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
         draft_model = _drafter(cfg, run=run, ckpt=ckpt, hf_dir=hf_dir, drafter=drafter)
         speculative = speculative or cfg.dspark.block_size
         if sps is not None:
-            table, widths = _sps_table(sps, speculative, widths)
+            table, widths = _sps_table(sps, speculative, widths, len(batch))
         try:
             widths = speculative_widths(speculative, bool(table), widths)
         except ValueError as err:
@@ -177,9 +177,10 @@ def _drafter(cfg, *, run, ckpt, hf_dir, drafter):
     return load_drafter(cfg, ckpt=ckpt, hf_dir=hf_dir)
 
 
-def _sps_table(path, k: int, widths: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[int, ...]]:
+def _sps_table(path, k: int, widths: tuple[int, ...], batch: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
     """``(sps, widths)`` of a ``dsv41 profile-sps`` table: the verify widths are the ones it was measured at, so a
-    scheduled step costs what the table says. A ConfigError names a table for another K or other widths."""
+    scheduled step costs what the table says. A ConfigError names a table for another K, other widths or another
+    batch (its rates and its token counts, ``sps[n]`` for n tokens over ``batch`` requests, are the batch's)."""
     import json
 
     try:
@@ -189,6 +190,9 @@ def _sps_table(path, k: int, widths: tuple[int, ...]) -> tuple[tuple[float, ...]
             raise ValueError(f"widths {list(measured)} must be ascending and the table non-empty")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"--sps {path}: not a table written by dsv41 profile-sps ({err})") from None
+    if raw.get("batch", batch) != batch:
+        raise ConfigError(f"--sps {path}: measured at batch {raw['batch']}, but {batch} prompts are sampled; profile "
+                          f"with dsv41 profile-sps --batch {batch}")
     if measured[-1] != k + 1:
         raise ConfigError(f"--sps {path}: measured up to {measured[-1] - 1} drafts per step, but --speculative "
                           f"verifies {k}; profile with dsv41 profile-sps --drafts {k}")

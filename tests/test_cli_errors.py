@@ -79,8 +79,8 @@ def test_make_fake_hf_refuses_to_replace_a_checkpoint(tmp_path, capsys):
 
 
 def test_speculative_verify_widths_and_sps_tables(tmp_path, capsys):
-    """A steps-per-second table fixes the verify widths it was measured at: other widths or another K is refused
-    by name, before anything compiles."""
+    """A steps-per-second table fixes the verify widths and the batch it was measured at: other widths, another K
+    or another batch is refused by name, before anything compiles."""
     table = tmp_path / "sps.json"
     table.write_text(json.dumps({"batch": 1, "context": 8, "widths": [1, 3], "steps_per_s": [9.0, 7.0],
                                  "sps": [9.0, 9.0, 7.0, 7.0]}))
@@ -91,6 +91,9 @@ def test_speculative_verify_widths_and_sps_tables(tmp_path, capsys):
     assert _error(capsys, [*spec[:-1], "dspark:4", "--sps", str(table)]) == (
         f"error: --sps {table}: measured up to 2 drafts per step, but --speculative verifies 4; profile with dsv41 "
         "profile-sps --drafts 4")
+    assert _error(capsys, [*spec, "--ids", "8", "--sps", str(table)]) == (  # the table's rates are batch 1's
+        f"error: --sps {table}: measured at batch 1, but 2 prompts are sampled; profile with dsv41 profile-sps "
+        "--batch 2")
     assert _error(capsys, [*spec, "--verify-widths", "2,5"]).startswith(
         "error: --verify-widths: verify widths (2, 5): each must lie in 1..3")
     assert _error(capsys, ["profile-sps", "--hf-dir", HF, "--drafts", "2", "--verify-widths", "1,2"]).startswith(

@@ -9,7 +9,7 @@ entry is read by many queries), and the sink's gradient. Where the kernel does n
 reference: the indexer's probability mass (``return_mass``), head dims the kernel does not take (a multiple
 of 64 up to 512), fp32 activations and calls too small to fill the GPU (``MIN_CTAS``); and the CPU. On TPU
 ``backend="pallas"`` runs ``tpu.sparse_mqa`` (Mosaic TPU; numerics checked in the interpreter, not yet run on
-a TPU) with the same backward.
+a TPU) forward and ``tpu.sparse_mqa_bwd`` backward, the same formula as the XLA one.
 """
 
 from __future__ import annotations
@@ -92,11 +92,29 @@ def _fwd(q, main, extra, idx, sink, scale, interpret, platform):
 
 def _bwd(scale, interpret, platform, res, g):
     """Flash-attention backward over the row lists, from the forward's log-sum-exp (spec §3.6's softmax with
-    the sink: p_sink = exp(sink − lse), and its value is zero, so d sink = −Σ p_sink · Σ_l p_l dp_l)."""
-    del interpret, platform
+    the sink: p_sink = exp(sink − lse), and its value is zero, so d sink = −Σ p_sink · Σ_l p_l dp_l). Each
+    query's dQ, row gradients and Σ p·dp come from the Mosaic TPU kernel on TPU, else from XLA; the row
+    gradients are then summed into the key arrays in fp32 (an entry is read by many queries)."""
     q, main, extra, idx, sink, lse = res
-    dt = q.dtype
     t = main.shape[1]
+    if platform == "tpu":
+        dq, dkeys, delta = tpu.sparse_mqa_bwd(q, main, extra, idx, lse, g, scale, interpret=interpret)
+    else:
+        dq, dkeys, delta = _query_grads(q, main, extra, idx, lse, g, scale)
+
+    def rows_of(kv, rows):  # fp32 sums into the rows of one key array; other rows are dropped (past the end)
+        return jax.vmap(lambda i, d: jnp.zeros(kv.shape[1:], jnp.float32).at[i].add(d, mode="drop"))(
+            jnp.where(rows >= 0, rows, kv.shape[1]), dkeys).astype(kv.dtype)
+
+    dmain = rows_of(main, jnp.where(idx < t, idx, -1))
+    dextra = rows_of(extra, jnp.where(idx >= t, idx - t, -1))
+    dsink = -(jnp.exp(sink.astype(jnp.float32) - lse) * delta).sum((0, 1))
+    return dq.astype(q.dtype), dmain, dextra, None, dsink.astype(sink.dtype)
+
+
+def _query_grads(q, main, extra, idx, lse, g, scale):
+    """``(dq, dkeys [B, S, L, H] fp32, Σ_l p_l dp_l [B, S, N])`` in XLA: ``tpu.sparse_mqa_bwd``'s result."""
+    dt = q.dtype
     keys = xla.gather_entries(jnp.concatenate([main, extra], axis=1).astype(dt), jnp.maximum(idx, 0))
     logits = jnp.einsum("bsnh,bslh->bsnl", q, keys, preferred_element_type=jnp.float32) * scale
     p = jnp.where((idx >= 0)[:, :, None, :], jnp.exp(logits - lse[..., None]), 0.0)  # [B, S, N, L] fp32
@@ -110,15 +128,7 @@ def _bwd(scale, interpret, platform, res, g):
     dq = jnp.einsum("bsnl,bslh->bsnh", ds, keys, preferred_element_type=jnp.float32)
     dkeys = (jnp.einsum("bsnl,bsnh->bslh", ds, q, preferred_element_type=jnp.float32)
              + jnp.einsum("bsnl,bsnh->bslh", p.astype(dt), g, preferred_element_type=jnp.float32))
-
-    def rows_of(kv, rows):  # fp32 sums into the rows of one key array; other rows are dropped (past the end)
-        return jax.vmap(lambda i, d: jnp.zeros(kv.shape[1:], jnp.float32).at[i].add(d, mode="drop"))(
-            jnp.where(rows >= 0, rows, kv.shape[1]), dkeys).astype(kv.dtype)
-
-    dmain = rows_of(main, jnp.where(idx < t, idx, -1))
-    dextra = rows_of(extra, jnp.where(idx >= t, idx - t, -1))
-    dsink = -(jnp.exp(sink.astype(jnp.float32) - lse) * delta).sum((0, 1))
-    return dq.astype(dt), dmain, dextra, None, dsink.astype(sink.dtype)
+    return dq, dkeys, delta
 
 
 sparse_mqa.defvjp(_fwd, _bwd)

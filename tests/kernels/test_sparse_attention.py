@@ -3,10 +3,10 @@ gradient equal the row-list reference.
 
 Without a GPU: ``layout.key_rows`` + ``reference.sparse_mqa`` against :func:`dsv41_jax.model.sparse.sparse_attention`
 on every kind of key (window edges, replay floors, documents, a ring prefix, top-k with −1 entries, picked rows,
-batch > 1), fp32 and tight; the kernels interpreted (Mosaic GPU's one- and two-warpgroup forms, Mosaic TPU)
-and their VJP against the reference's autodiff, fp32 (what differs is summation order: ~1e-6); and the GPU
-kernel's lowering to Mosaic GPU for a cuda target. Marked gpu: the compiled kernel in bf16 against the fp32
-reference, within the bound of the XLA path's own bf16 error (both round P to bf16 before P·V), and
+batch > 1), fp32 and tight; the kernels interpreted (Mosaic GPU's one- and two-warpgroup forms, Mosaic TPU's
+forward and backward) and their VJP against the reference's autodiff, fp32 (what differs is summation order:
+~1e-6); and the GPU kernel's lowering to Mosaic GPU for a cuda target. Marked gpu: the compiled kernel in bf16
+against the fp32 reference, within the bound of the XLA path's own bf16 error (both round P to bf16 before P·V), and
 ``backend="pallas"`` against ``"xla"``, forward and gradients.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.model.sparse import sparse_attention
-from pallas_kernels.sparse_attention import api, layout, mosaic, reference
+from pallas_kernels.sparse_attention import api, layout, mosaic, reference, tpu
 
 W, T = 8, 20
 
@@ -121,6 +121,32 @@ def test_interpreted_tpu_kernel_and_gradient_equal_the_reference():
     _check_kernel(x, main, extra, idx, 128 ** -0.5, platform="tpu")
 
 
+def test_interpreted_tpu_backward_equals_the_xla_backward():
+    """The Mosaic TPU backward kernel (a grid step a query, all its rows gathered at once) gives the XLA backward's
+    dQ, per-row key gradients (zero on −1 rows) and Σ p·dp: fp32 to summation order, and in bf16 within the
+    bound of the XLA path's own error against fp32 (both round dS and P to bf16 before their products), on
+    ragged top-k over three key tiles, two sequences and a replay floor."""
+    x = _inputs(b=2, s=3, n=8, h=128, k=150)
+    main, extra, idx = _rows(x, _cases(x)[5][1])
+    assert idx.shape[-1] == 192 and bool((idx < 0).any())
+    scale = 128 ** -0.5
+    g = jnp.asarray(np.random.default_rng(2).standard_normal(x["q"].shape), jnp.float32)
+
+    def both(dt):
+        q, m, e = (v.astype(dt) for v in (x["q"], main, extra))
+        lse = reference.sparse_mqa(q, m, e, idx, x["sink"], scale)[1]
+        return (tpu.sparse_mqa_bwd(q, m, e, idx, lse, g, scale, interpret=True),
+                api._query_grads(q, m, e, idx, lse, g, scale))
+
+    (kq, kk, kd), (xq, xk, xd) = both(jnp.float32)
+    for name, a, b in (("dq", kq, xq), ("dkeys", kk, xk), ("delta", kd, xd)):
+        assert _rel_rows(a, b) < 1e-5, name
+    np.testing.assert_array_equal(np.asarray(kk)[np.asarray(idx) < 0], 0.0)
+    bf16 = both(jnp.bfloat16)
+    for name, k, x_, want in zip(("dq", "dkeys", "delta"), *bf16, (xq, xk, xd), strict=True):
+        assert _rel_rows(k, want) <= 1.5 * _rel_rows(x_, want) + 1e-3, name
+
+
 def test_kernel_refuses_bad_shapes():
     x = _inputs()
     main, extra, idx = _rows(x, {})
@@ -144,9 +170,11 @@ def test_kernel_lowers_to_mosaic_gpu(b, s, n, h, t, L):
 
 
 def _rel_rows(a, b):
+    """The worst row's relative L2 error of ``a`` against ``b`` (a row that is zero in ``b`` must be zero in ``a``)."""
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     err = np.linalg.norm((a - b).reshape(-1, a.shape[-1]), axis=-1)
-    return float((err / np.linalg.norm(b.reshape(-1, b.shape[-1]), axis=-1)).max())
+    norm = np.linalg.norm(b.reshape(-1, b.shape[-1]), axis=-1)
+    return float(np.where(norm > 0, err / np.where(norm > 0, norm, 1), np.where(err > 0, np.inf, 0)).max())
 
 
 @pytest.mark.gpu

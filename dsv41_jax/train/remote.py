@@ -91,18 +91,24 @@ def _files(root) -> list[tuple[str, object]]:
 
 
 def local_copy(path: str | os.PathLike, marker: str, what: str, log: Callable[[str], None] = print) -> Path:
-    """``path`` itself, or (a URI) its mirror holding the whole directory, copied down the first time: the
-    directory at the URI must hold ``marker`` (the file its writer writes last). ``what`` names the flag."""
+    """``path`` itself, or (a URI) its mirror holding the whole directory: copied down the first time, and again
+    when the URI's ``marker`` (the file its writer writes last: a manifest, an index) no longer equals the
+    mirror's. ``what`` names the flag."""
     if not is_uri(path):
         return Path(path)
     from etils import epath
 
     local, remote = run_directory(path, what), epath.Path(str(path))
-    if (local / marker).is_file():
-        return local
     try:
         finished = (remote / marker).is_file()
+        if finished and (local / marker).is_file():
+            if (remote / marker).read_bytes() == (local / marker).read_bytes():
+                return local
+            log(f"{what} {path}: its {marker} changed since {local} was copied; copying it again")
     except Exception as err:  # no file-system package for the scheme, credentials, network
+        if (local / marker).is_file():
+            log(f"{what} {path}: cannot read it ({type(err).__name__}: {err}); using the copy in {local}")
+            return local
         raise ConfigError(f"{what} {path}: cannot read it ({type(err).__name__}: {err})") from err
     if not finished:
         raise ConfigError(f"{what} {path}: no {marker} there; not a finished directory (an upload cut off, or "

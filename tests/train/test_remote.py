@@ -38,9 +38,12 @@ def test_init_from_a_uri_is_a_run_or_a_converted_checkpoint(gcs_bucket, tmp_path
     local = remote.local_source(f"{uri}/ckpt", "posttrain.init_from", logs.append)
     got = {str(p.relative_to(local)): p.read_bytes() for p in local.rglob("*") if p.is_file()}
     assert got == ckpt
-    (bucket / "ckpt" / "params" / "x" / "0").write_bytes(b"changed")  # read once: the mirror is what loads
+    (bucket / "ckpt" / "params" / "x" / "0").write_bytes(b"changed")  # the manifest is the same: the mirror loads
     assert remote.local_source(f"{uri}/ckpt", "w", logs.append) == local
     assert (local / "params" / "x" / "0").read_bytes() == ckpt["params/x/0"]
+    (bucket / "ckpt" / MANIFEST).write_text(json.dumps({"format": "y"}))  # re-written there: copied again
+    assert remote.local_source(f"{uri}/ckpt", "w", logs.append) == local
+    assert (local / "params" / "x" / "0").read_bytes() == b"changed" and any("changed since" in m for m in logs)
 
     (bucket / "half").mkdir()
     (bucket / "half" / "config.json").write_bytes(b"{}")  # an upload cut off before its manifest

@@ -297,11 +297,14 @@ def save_drafter(drafter: DSpark, path: Path) -> None:
 
 
 def load_drafter_npz(path: str | Path, cfg: C.ModelConfig) -> DSpark:
-    """A drafter saved by :func:`train_dspark` (``drafter.npz``), for the backbone config ``cfg``."""
+    """A drafter saved by :func:`train_dspark` (``drafter.npz``), for the backbone config ``cfg``; ``path`` may be
+    a URI (read through ``etils.epath``)."""
+    from etils import epath
+
     from dsv41_jax.checkpoint.tree import assign
 
     drafter = DSpark(cfg, rngs=nnx.Rngs(0))
-    with np.load(path) as arrays:
+    with epath.Path(path).open("rb") as f, np.load(f) as arrays:
         assign(drafter, dict(arrays), ignore_prefixes=())
     return drafter
 

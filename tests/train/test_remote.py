@@ -67,3 +67,26 @@ def test_publish_writes_every_file_and_the_marker_last(gcs_bucket, tmp_path, mon
             if p.is_file()} == files
     assert remote.remote_state(f"{uri}/out", "index.json", "--out") == "finished"
     assert remote.remote_state(f"{uri}/nothing", "index.json", "--out") == "empty"
+
+
+def test_a_drafter_npz_loads_from_a_uri(gcs_bucket, tmp_path):
+    """``--drafter`` / ``posttrain.drafter.init_from`` at a URI: the npz is read through ``etils.epath``."""
+    import numpy as np
+    from flax import nnx
+
+    from dsv41_jax import config as C
+    from dsv41_jax.checkpoint.tree import flat_variables
+    from dsv41_jax.model.dspark import DSpark
+    from dsv41_jax.train.dspark import load_drafter_npz, save_drafter
+
+    uri, bucket = gcs_bucket
+    cfg = C.tiny()
+    bucket.mkdir(parents=True, exist_ok=True)
+    save_drafter(DSpark(cfg, rngs=nnx.Rngs(5)), bucket / "drafter.npz")
+    got = flat_variables(load_drafter_npz(f"{uri}/drafter.npz", cfg))
+    want = flat_variables(load_drafter_npz(bucket / "drafter.npz", cfg))
+    fresh = flat_variables(DSpark(cfg, rngs=nnx.Rngs(0)))  # what loading overwrites
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(np.asarray(got[name][...]), np.asarray(want[name][...]), err_msg=name)
+    assert any(not np.array_equal(np.asarray(got[n][...]), np.asarray(fresh[n][...])) for n in want)

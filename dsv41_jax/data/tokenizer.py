@@ -68,7 +68,21 @@ def engram_consistent(cfg: ModelConfig, token_map: np.ndarray) -> ModelConfig:
 
 
 def load_or_train(spec: str, cache: Path, cfg: ModelConfig, texts: Iterable[str]) -> tuple[Path, np.ndarray]:
-    """The tokenizer path (trained into ``cache`` when ``spec`` is ``train`` and none is cached) and its map."""
+    """The tokenizer path (trained into ``cache`` when ``spec`` is ``train`` and none is cached; copied into it
+    when ``spec`` is a URI, so the run directory holds the tokenizer it trains with) and its map."""
+    if spec != "train" and "://" in spec:
+        from etils import epath
+
+        try:
+            data = epath.Path(spec).read_bytes()
+        except Exception as err:  # missing, no file-system package for the scheme, credentials, network
+            raise ConfigError(f"data.tokenizer: cannot read {spec} ({type(err).__name__}: {err})") from err
+        if not cache.exists() or cache.read_bytes() != data:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(cache)
+        spec = str(cache)
     path = cache if spec == "train" else Path(spec)
     if spec == "train" and not path.exists():
         train_tokenizer(texts, cfg, path)

@@ -90,3 +90,26 @@ def test_a_drafter_npz_loads_from_a_uri(gcs_bucket, tmp_path):
     for name in want:
         np.testing.assert_array_equal(np.asarray(got[name][...]), np.asarray(want[name][...]), err_msg=name)
     assert any(not np.array_equal(np.asarray(got[n][...]), np.asarray(fresh[n][...])) for n in want)
+
+
+def test_a_tokenizer_at_a_uri_is_copied_into_the_run(gcs_bucket, tmp_path, golden_dir):
+    """``data.tokenizer: gs://...``: the run directory gets the file (the run and its mirror hold what it trained
+    with) and its Engram token map is the file's; a missing one is named."""
+    import shutil
+
+    import numpy as np
+
+    from dsv41_jax import config as C
+    from dsv41_jax.data.tokenizer import load_or_train
+    from dsv41_jax.engram_hash import build_token_map
+
+    uri, bucket = gcs_bucket
+    bucket.mkdir(parents=True, exist_ok=True)
+    src = golden_dir / "tiny_hf" / "tokenizer.json"
+    shutil.copy(src, bucket / "tok.json")
+    cfg = C.from_hf(golden_dir / "tiny_hf")
+    path, token_map = load_or_train(f"{uri}/tok.json", tmp_path / "run" / "tokenizer.json", cfg, [])
+    assert path == tmp_path / "run" / "tokenizer.json" and path.read_bytes() == src.read_bytes()
+    np.testing.assert_array_equal(token_map, build_token_map(src))
+    with pytest.raises(ConfigError, match=r"data\.tokenizer: cannot read gs://bucket/none\.json"):
+        load_or_train(f"{uri}/none.json", tmp_path / "run" / "tokenizer.json", cfg, [])

@@ -34,38 +34,41 @@ from jaxtyping import Array, Float, Int
 KEYS = 64  # key rows a tile
 
 
+def _start_rows(idx_smem, i, b, first, count: int, main_hbm, extra_hbm, n_main: int, dst, sem) -> None:
+    """Start one DMA a row for rows ``first .. first + count − 1`` of query ``i``'s list, from ``main`` or
+    ``extra`` into ``dst(r)`` (−1 entries read row 0 of ``main``; the kernels mask them)."""
+    def one(r, carry):
+        e = jnp.maximum(idx_smem[i, first + r], 0)
+        in_main = e < n_main
+        pl.when(in_main)(pltpu.make_async_copy(main_hbm.at[b, pl.ds(jnp.minimum(e, n_main - 1), 1)], dst(r),
+                                               sem).start)
+        pl.when(jnp.logical_not(in_main))(pltpu.make_async_copy(
+            extra_hbm.at[b, pl.ds(jnp.maximum(e - n_main, 0), 1)], dst(r), sem).start)
+        return carry
+    lax.fori_loop(0, count, one, 0)
+
+
+def _wait_rows(main_hbm, b, count: int, dst, sem) -> None:
+    """Wait for :func:`_start_rows`' ``count`` copies: every row copy has the same size, so one descriptor of that
+    size a row."""
+    def one(r, carry):
+        pltpu.make_async_copy(main_hbm.at[b, pl.ds(0, 1)], dst(r), sem).wait()
+        return carry
+    lax.fori_loop(0, count, one, 0)
+
+
 def _kernel(idx_smem, idx_ref, q_ref, sink_ref, main_hbm, extra_hbm, o_ref, lse_ref, kbuf, sem, *,
             scale: float, s_len: int, n_main: int):
     i = pl.program_id(0)
     b = i // s_len
     n_tiles = idx_ref.shape[-1] // KEYS
 
-    def copies(t, slot):
-        """The DMA descriptors of tile t's rows (−1 entries read row 0 of ``main``; they are masked)."""
-        def row(r):
-            e = jnp.maximum(idx_smem[i, t * KEYS + r], 0)
-            from_main = pltpu.make_async_copy(main_hbm.at[b, pl.ds(jnp.minimum(e, n_main - 1), 1)],
-                                              kbuf.at[slot, pl.ds(r, 1)], sem.at[slot])
-            from_extra = pltpu.make_async_copy(extra_hbm.at[b, pl.ds(jnp.maximum(e - n_main, 0), 1)],
-                                               kbuf.at[slot, pl.ds(r, 1)], sem.at[slot])
-            return e < n_main, from_main, from_extra
-        return row
-
     def start(t, slot):
-        row = copies(t, slot)
-
-        def one(r, carry):
-            in_main, from_main, from_extra = row(r)
-            pl.when(in_main)(from_main.start)
-            pl.when(jnp.logical_not(in_main))(from_extra.start)
-            return carry
-        lax.fori_loop(0, KEYS, one, 0)
+        _start_rows(idx_smem, i, b, t * KEYS, KEYS, main_hbm, extra_hbm, n_main,
+                    lambda r: kbuf.at[slot, pl.ds(r, 1)], sem.at[slot])
 
     def wait(slot):
-        def one(r, carry):  # every row copy has the same size: wait on one descriptor of that size a row
-            pltpu.make_async_copy(main_hbm.at[b, pl.ds(0, 1)], kbuf.at[slot, pl.ds(r, 1)], sem.at[slot]).wait()
-            return carry
-        lax.fori_loop(0, KEYS, one, 0)
+        _wait_rows(main_hbm, b, KEYS, lambda r: kbuf.at[slot, pl.ds(r, 1)], sem.at[slot])
 
     q = q_ref[0]  # [N, H]
     n = q.shape[0]
@@ -97,17 +100,22 @@ def _kernel(idx_smem, idx_ref, q_ref, sink_ref, main_hbm, extra_hbm, o_ref, lse_
     lse_ref[0] = (m + jnp.log(l_)).reshape(1, n)
 
 
+def _query_rows(name: str, q, main, extra, idx):
+    """``(B, S, N, H, L, row lists [B·S, L] int32)`` of a kernel call, or a ValueError naming what does not fit."""
+    b, s, n, h = q.shape
+    L = idx.shape[-1]
+    if L % KEYS or idx.shape[:2] != (b, s) or main.shape[::2] != (b, h) or extra.shape[::2] != (b, h):
+        raise ValueError(f"{name} TPU kernel: q {q.shape}, keys {main.shape} + {extra.shape}, idx {idx.shape}: "
+                         f"needs L a multiple of {KEYS} and matching B, S, H")
+    return b, s, n, h, L, idx.astype(jnp.int32).reshape(b * s, L)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def sparse_mqa(q: Float[Array, "B S N H"], main: Float[Array, "B T H"], extra: Float[Array, "B E H"],
                idx: Int[Array, "B S L"], sink: Float[Array | np.ndarray, "N"], scale: float, *, interpret: bool = False
                ) -> tuple[Float[Array, "B S N H"], Float[Array, "B S N"]]:
     """``reference.sparse_mqa`` as a Mosaic TPU kernel; L a multiple of 64 (``layout.key_rows`` pads it)."""
-    b, s, n, h = q.shape
-    L = idx.shape[-1]
-    if L % KEYS or idx.shape[:2] != (b, s) or main.shape[::2] != (b, h) or extra.shape[::2] != (b, h):
-        raise ValueError(f"sparse_mqa TPU kernel: q {q.shape}, keys {main.shape} + {extra.shape}, idx {idx.shape}: "
-                         f"needs L a multiple of {KEYS} and matching B, S, H")
-    rows = idx.astype(jnp.int32).reshape(b * s, L)
+    b, s, n, h, L, rows = _query_rows("sparse_mqa", q, main, extra, idx)
     out, lse = pl.pallas_call(
         functools.partial(_kernel, scale=scale, s_len=s, n_main=main.shape[1]),
         out_shape=(jax.ShapeDtypeStruct((b * s, n, h), q.dtype), jax.ShapeDtypeStruct((b * s, 1, n), jnp.float32)),
@@ -132,28 +140,8 @@ def _bwd_kernel(idx_smem, idx_ref, q_ref, g_ref, lse_ref, main_hbm, extra_hbm, d
     i = pl.program_id(0)
     b = i // s_len
     n_rows = idx_ref.shape[-1]
-
-    def row_copies(r):
-        """Row r's DMA from ``main`` or ``extra`` (−1 entries read row 0 of ``main``; they are masked)."""
-        e = jnp.maximum(idx_smem[i, r], 0)
-        from_main = pltpu.make_async_copy(main_hbm.at[b, pl.ds(jnp.minimum(e, n_main - 1), 1)],
-                                          kbuf.at[pl.ds(r, 1)], sem.at[0])
-        from_extra = pltpu.make_async_copy(extra_hbm.at[b, pl.ds(jnp.maximum(e - n_main, 0), 1)],
-                                           kbuf.at[pl.ds(r, 1)], sem.at[0])
-        return e < n_main, from_main, from_extra
-
-    def start(r, carry):
-        in_main, from_main, from_extra = row_copies(r)
-        pl.when(in_main)(from_main.start)
-        pl.when(jnp.logical_not(in_main))(from_extra.start)
-        return carry
-
-    def wait(r, carry):  # every row copy has the same size: wait on one descriptor of that size a row
-        pltpu.make_async_copy(main_hbm.at[b, pl.ds(0, 1)], kbuf.at[pl.ds(r, 1)], sem.at[0]).wait()
-        return carry
-
-    lax.fori_loop(0, n_rows, start, 0)
-    lax.fori_loop(0, n_rows, wait, 0)
+    _start_rows(idx_smem, i, b, 0, n_rows, main_hbm, extra_hbm, n_main, lambda r: kbuf.at[pl.ds(r, 1)], sem.at[0])
+    _wait_rows(main_hbm, b, n_rows, lambda r: kbuf.at[pl.ds(r, 1)], sem.at[0])
     q, g, keys = q_ref[0], g_ref[0], kbuf[...]  # [N, H], [N, H], [L, H]
     dt = q.dtype
     nt = (((1,), (1,)), ((), ()))  # a · bᵀ
@@ -179,12 +167,7 @@ def sparse_mqa_bwd(q: Float[Array, "B S N H"], main: Float[Array, "B T H"], extr
     """``(dq, dkeys, delta)`` of :func:`sparse_mqa` for the output cotangent ``g``: dQ in ``q``'s dtype, each
     listed row's key gradient in fp32 (zero where ``idx`` is −1; summed into ``main`` / ``extra`` by the
     caller) and Σ_l p_l·dp_l per head (fp32), from the forward's ``lse``."""
-    b, s, n, h = q.shape
-    L = idx.shape[-1]
-    if L % KEYS or idx.shape[:2] != (b, s) or main.shape[::2] != (b, h) or extra.shape[::2] != (b, h):
-        raise ValueError(f"sparse_mqa_bwd TPU kernel: q {q.shape}, keys {main.shape} + {extra.shape}, idx "
-                         f"{idx.shape}: needs L a multiple of {KEYS} and matching B, S, H")
-    rows = idx.astype(jnp.int32).reshape(b * s, L)
+    b, s, n, h, L, rows = _query_rows("sparse_mqa_bwd", q, main, extra, idx)
     per_query = lambda i, _: (i, 0, 0)  # noqa: E731
     dq, dk, delta = pl.pallas_call(
         functools.partial(_bwd_kernel, scale=scale, s_len=s, n_main=main.shape[1]),

@@ -77,7 +77,10 @@ def load_or_train(spec: str, cache: Path, cfg: ModelConfig, texts: Iterable[str]
             data = epath.Path(spec).read_bytes()
         except Exception as err:  # missing, no file-system package for the scheme, credentials, network
             raise ConfigError(f"data.tokenizer: cannot read {spec} ({type(err).__name__}: {err})") from err
-        if not cache.exists() or cache.read_bytes() != data:
+        if cache.exists() and cache.read_bytes() != data:  # the run's own tokenizer is never replaced
+            raise ConfigError(f"data.tokenizer {spec} differs from the tokenizer this run was started with, {cache}; "
+                              "point data.tokenizer at that file, or start a new checkpoint.dir")
+        if not cache.exists():
             cache.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache.with_suffix(".tmp")
             tmp.write_bytes(data)

@@ -34,7 +34,10 @@ def metrics_path(run: str | Path) -> Path:
     """``run``'s ``metrics.jsonl`` (``run`` is a run directory or the file itself), or a ConfigError."""
     from dsv41_jax.train.remote import is_uri, local_run
 
-    run = local_run(run, log=lambda _: None) if is_uri(run) and not str(run).endswith(".jsonl") else Path(run)
+    if is_uri(run) and str(run).endswith(".jsonl"):
+        raise ConfigError(f"{run}: a metrics file at a URI; give the run directory's URI (its metrics.jsonl is read "
+                          "from the run's local mirror)")
+    run = local_run(run, log=lambda _: None) if is_uri(run) else Path(run)
     path = run / "metrics.jsonl" if run.is_dir() else run
     if not path.is_file():
         raise ConfigError(f"{path}: no such metrics file; give a `dsv41 train` run directory (its checkpoint.dir) "

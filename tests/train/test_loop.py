@@ -114,6 +114,8 @@ def test_run_at_a_uri_copies_steps_and_resumes_from_them(tiny_run, gcs_bucket, t
     assert step == 3 and tok == mirror / "tokenizer.json"
     shutil.rmtree(tmp_path / "mirror")  # dsv41 plot --run URI on a third machine
     assert metrics_path(f"{uri}/run") == mirror / "metrics.jsonl" and (mirror / "checkpoints" / "3").is_dir()
+    with pytest.raises(ConfigError, match=r"a metrics file at a URI; give the run directory's URI"):
+        metrics_path(f"{uri}/run/metrics.jsonl")
 
 
 def test_run_uri_errors_name_what_is_wrong(tmp_path, monkeypatch):

@@ -111,5 +111,10 @@ def test_a_tokenizer_at_a_uri_is_copied_into_the_run(gcs_bucket, tmp_path, golde
     path, token_map = load_or_train(f"{uri}/tok.json", tmp_path / "run" / "tokenizer.json", cfg, [])
     assert path == tmp_path / "run" / "tokenizer.json" and path.read_bytes() == src.read_bytes()
     np.testing.assert_array_equal(token_map, build_token_map(src))
+    assert load_or_train(f"{uri}/tok.json", path, cfg, [])[0] == path  # a resumed run: the same file
+    (bucket / "tok.json").write_text("{}")  # changed at the URI: the run keeps what it trained with
+    with pytest.raises(ConfigError, match=r"differs from the tokenizer this run was started with"):
+        load_or_train(f"{uri}/tok.json", path, cfg, [])
+    assert path.read_bytes() == src.read_bytes()
     with pytest.raises(ConfigError, match=r"data\.tokenizer: cannot read gs://bucket/none\.json"):
         load_or_train(f"{uri}/none.json", tmp_path / "run" / "tokenizer.json", cfg, [])

@@ -80,3 +80,29 @@ def bigram_drafter(drafter, outputs: list[list[int]], skip: set[tuple[int, int]]
     last.markov_head.embed.weight[...] = jnp.asarray(emb)
     last.markov_head.head.weight[...] = jnp.asarray(head)
     return nnx.state(d)
+
+
+def mixed_products(jaxpr) -> list[str]:
+    """The products (``dot_general``, ``ragged_dot_general``) of ``jaxpr`` and every jaxpr inside it (scans,
+    remat, custom rules' traced backward) whose two operands have different dtypes: on GPU such a product is
+    promoted to the wider dtype (an fp32 × bf16 gradient product runs as an fp32 GEMM). One line per product:
+    its primitive, operand dtypes and shapes."""
+    import jax
+
+    found = []
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+                a, b = (v.aval for v in eqn.invars[:2])
+                if a.dtype != b.dtype:
+                    found.append(f"{eqn.primitive.name} {a.dtype}{list(a.shape)} x {b.dtype}{list(b.shape)}")
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple | list) else (value,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jaxpr)
+    return found

@@ -30,7 +30,7 @@ from dsv41_jax.model.indexer import (
 )
 from dsv41_jax.model.indexer_loss import IndexerStats, indexer_stats
 from dsv41_jax.model.kv_store import KVStore, Visibility
-from dsv41_jax.model.layers import Linear, RMSNorm
+from dsv41_jax.model.layers import Linear, RMSNorm, mixed_einsum
 from dsv41_jax.model.rope import apply_rope, rope_frequencies
 from dsv41_jax.model.sparse import entry_mass
 from dsv41_jax.sharding import batch_local, param
@@ -215,5 +215,5 @@ class Attention(nnx.Module):
         o = apply_rope(o, pos, self.freqs, heads=True, inverse=True)
         og = o.reshape(b, s, cfg.o_groups, -1)  # group g = heads [g·N/G, (g+1)·N/G)
         wo_a = self.wo_a.weight[...].astype(o.dtype).reshape(cfg.o_groups, cfg.o_lora_rank, -1)
-        u = jnp.einsum("bsox,orx->bsor", og, wo_a, preferred_element_type=jnp.float32).astype(o.dtype)
+        u = mixed_einsum("bsox,orx->bsor", og, wo_a).astype(o.dtype)
         return self.wo_b(u.reshape(b, s, -1))

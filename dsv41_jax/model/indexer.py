@@ -9,7 +9,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dsv41_jax import quant
 from dsv41_jax.config import AttentionConfig
-from dsv41_jax.model.layers import Linear, RMSNorm
+from dsv41_jax.model.layers import Linear, RMSNorm, mixed_einsum
 from dsv41_jax.model.rope import apply_rope
 from dsv41_jax.sharding import batch_local
 from pallas_kernels.block_max import api as block_max_api
@@ -64,14 +64,14 @@ class Indexer(nnx.Module):
 def index_scores(iq: Float[Array, "B S N I"], w: Float[Array, "B S N"], keys: Float[Array, "B T I"]
                  ) -> Float[Array, "B S T"]:
     """``Σ_h w_h·ReLU(q_h·k_t)`` for every key (spec attention §3.5), fp32."""
-    dots = jnp.einsum("bsni,bti->bsnt", iq, keys.astype(iq.dtype), preferred_element_type=jnp.float32)
+    dots = mixed_einsum("bsni,bti->bsnt", iq, keys.astype(iq.dtype))
     return jnp.einsum("bsn,bsnt->bst", w, jax.nn.relu(dots))
 
 
 def gathered_index_scores(iq: Float[Array, "B S N I"], w: Float[Array, "B S N"], keys: Float[Array, "B S K I"]
                           ) -> Float[Array, "B S K"]:
     """The same score against a per-query set of keys (Reindex layers scoring only their candidates)."""
-    dots = jnp.einsum("bsni,bski->bsnk", iq, keys.astype(iq.dtype), preferred_element_type=jnp.float32)
+    dots = mixed_einsum("bsni,bski->bsnk", iq, keys.astype(iq.dtype))
     return jnp.einsum("bsn,bsnk->bsk", w, jax.nn.relu(dots))
 
 

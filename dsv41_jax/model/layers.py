@@ -1,12 +1,16 @@
-"""Small building blocks: linear layers in the checkpoint's [out, in] layout and RMSNorm."""
+"""Small building blocks: the model's mixed-precision product, linear layers in the checkpoint's [out, in] layout
+and RMSNorm."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, ArrayLike, Float
 
 from dsv41_jax import quant
 from dsv41_jax.sharding import param
@@ -25,6 +29,47 @@ def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> jax.Arr
         return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
     seed = np.asarray(jax.random.key_data(key)).ravel().tolist()
     return jnp.asarray(std * np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
+
+
+MATMUL = "matmul"  # checkpoint name of :func:`mixed_einsum`'s outputs: remat "dots" keeps them
+
+
+def mixed_einsum(spec: str, a: ArrayLike, b: ArrayLike) -> Float[Array, "..."]:
+    """``einsum(spec, a, b)`` accumulated and returned in fp32; with bf16 (or f16) operands, its gradients are
+    computed in the operands' dtype.
+
+    Autodiff would transpose the product against its fp32 cotangent: an fp32 × bf16 product, which promotes
+    to fp32 (a TF32 or fp32 GEMM on GPU, at half the bf16 rate or less, with twice the bytes). Here the
+    cotangent is rounded to the operands' dtype first and the two transposed products run in that dtype with
+    fp32 accumulation, each result rounded once to the operand's dtype (what autodiff returns for a bf16
+    operand too). Where the cotangent arrives from a bf16 value (a product cast to bf16, as in
+    :class:`Linear`), that rounding is exact and the gradients are those of autodiff; where it is an fp32
+    value (the attention's logits and P·V, the experts' activations), it rounds as a bf16 backward does.
+    Operands of fp32, or of two dtypes, take the plain product and autodiff.
+    """
+    if a.dtype == b.dtype and jnp.dtype(a.dtype).itemsize < 4:
+        out = _low_precision_einsum(spec, a, b)
+    else:
+        out = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return checkpoint_name(out, MATMUL)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _low_precision_einsum(spec: str, a: Array, b: Array) -> Array:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _low_precision_fwd(spec, a, b):
+    return _low_precision_einsum(spec, a, b), (a, b)
+
+
+def _low_precision_bwd(spec, res, g):
+    a, b = res
+    _, vjp = jax.vjp(lambda a_, b_: jnp.einsum(spec, a_, b_, preferred_element_type=a.dtype), a, b)
+    return vjp(g.astype(a.dtype))
+
+
+_low_precision_einsum.defvjp(_low_precision_fwd, _low_precision_bwd)
 
 
 class Linear(nnx.Module):
@@ -52,8 +97,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: Float[Array, "*B X"], dtype=None) -> Float[Array, "*B Y"]:
         dt = dtype or self.dtype
-        return jnp.einsum("...x,yx->...y", x.astype(dt), self.dense(dt),
-                          preferred_element_type=jnp.float32).astype(dt)
+        return mixed_einsum("...x,yx->...y", x.astype(dt), self.dense(dt)).astype(dt)
 
 
 class RMSNorm(nnx.Module):

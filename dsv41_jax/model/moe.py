@@ -131,27 +131,27 @@ def grouped_matmul(lhs: Float[Array, "U X"], rhs: Float[Array, "E X Y"], sizes: 
 
     ``implementation``: ``xla`` (``lax.ragged_dot``: a loop over groups on CPU/TPU, densified on GPU, ~16
     TFLOP/s on the H200), ``tokamax`` (its ``ragged_dot`` forward: a Mosaic GPU kernel where the shapes allow,
-    tokamax chooses, and falls back to XLA elsewhere; the backward is XLA's, see ``_tokamax_ragged_dot``), or
-    ``auto``: tokamax on GPU when it is installed, else XLA.
+    tokamax chooses, and falls back to XLA elsewhere), or ``auto``: tokamax on GPU when it is installed, else
+    XLA. The gradients are XLA's transpose of ``lax.ragged_dot`` in the operands' dtype, as
+    :func:`~dsv41_jax.model.layers.mixed_einsum` computes them (:func:`_grouped`).
     """
     if implementation == "auto":
         implementation = "tokamax" if jax.default_backend() == "gpu" and _tokamax() is not None else "xla"
-    if implementation == "xla":
-        return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
-    if implementation != "tokamax":
+    if implementation not in ("xla", "tokamax"):
         raise ValueError(f"grouped_matmul implementation must be auto, xla or tokamax, got {implementation!r}")
-    tokamax = _tokamax()
-    if tokamax is None:
+    if implementation == "tokamax" and _tokamax() is None:
         raise ImportError(f"moe.grouped_matmul: tokamax does not import ({_TOKAMAX_ERROR[0]}); pip install "
                           "'dsv41-jax[gpu]'")
-    out = _tokamax_ragged_dot(lhs, rhs, sizes)
-    # its kernels leave the rows past the last group unwritten; the caller's sum must see zeros there
+    out = _grouped(lhs, rhs, sizes, implementation)
+    if implementation == "xla":
+        return out
+    # tokamax's kernels leave the rows past the last group unwritten; the caller's sum must see zeros there
     return jnp.where((jnp.arange(lhs.shape[0]) < jnp.sum(sizes))[:, None], out, 0.0)
 
 
-@jax.custom_vjp
-def _tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
-    """tokamax's ragged dot (fp32 output) forward, XLA's transpose of ``lax.ragged_dot`` backward.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, implementation: str) -> jax.Array:
+    """The grouped matmul's forward by ``implementation``; its backward is XLA's transpose of ``lax.ragged_dot``.
 
     tokamax 0.0.17's own backward was measured wrong on the H200 (``benchmarks/moe_bench.py``, bf16, 32,768 rows
     × 1024 → 384, 16 experts): its Mosaic GPU kernels refuse the fp32 cotangent of an fp32 output against bf16
@@ -159,21 +159,29 @@ def _tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax
     the last group (``tests/model/test_moe.py``'s GPU test) the input gradient was off by 1.0 where its largest
     entry was 6.0, as from rows its kernels leave unwritten (the forward leaves them so). Its forward equals
     ``lax.ragged_dot`` bit for bit there, so the forward is tokamax's and the gradients are XLA's own.
+
+    With bf16 operands the cotangent is rounded to bf16 and both transposed products run in bf16 with fp32
+    accumulation (autodiff would run them as fp32 × bf16 products, promoted to fp32); fp32 operands take
+    autodiff's own transpose.
     """
-    return _tokamax().ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+    if implementation == "tokamax":
+        return _tokamax().ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+    return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
 
 
-def _tokamax_ragged_dot_fwd(lhs, rhs, sizes):
-    return _tokamax_ragged_dot(lhs, rhs, sizes), (lhs, rhs, sizes)
+def _grouped_fwd(lhs, rhs, sizes, implementation):
+    return _grouped(lhs, rhs, sizes, implementation), (lhs, rhs, sizes)
 
 
-def _tokamax_ragged_dot_bwd(res, g):
+def _grouped_bwd(implementation, res, g):
     lhs, rhs, sizes = res
-    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32), lhs, rhs)
-    return (*vjp(g), None)
+    low = lhs.dtype == rhs.dtype and jnp.dtype(lhs.dtype).itemsize < 4
+    dtype = lhs.dtype if low else jnp.float32
+    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=dtype), lhs, rhs)
+    return (*vjp(g.astype(dtype)), None)
 
 
-_tokamax_ragged_dot.defvjp(_tokamax_ragged_dot_fwd, _tokamax_ragged_dot_bwd)
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 _TOKAMAX_ERROR: list[str] = []
 

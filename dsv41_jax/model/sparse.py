@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from dsv41_jax.model.layers import mixed_einsum
+
 NEG_INF = -jnp.inf
 
 
@@ -90,14 +92,14 @@ def sparse_attention(
         mask = (kp >= 0) & (kp > qpos[..., None] - window) & (kp >= floor[:, None, None])
         mask = mask.reshape(b, nc, blk, 1, -1)
         parts.append((_logits("bqsnh,bph->bqsnp", qc, prefix_kv, h ** -0.5, mask),
-                      lambda p: jnp.einsum("bqsnp,bph->bqsnh", p, prefix_kv, preferred_element_type=jnp.float32)))
+                      lambda p: mixed_einsum("bqsnp,bph->bqsnh", p, prefix_kv)))
     if topk is not None:
         if picked is None:
             picked = gather_entries(compressed_kv, jnp.maximum(topk, 0))  # [B, S, K, H]
         pc = _pad_seq(picked, nc * blk).reshape(b, nc, blk, -1, h)
         mask = (_pad_seq(topk, nc * blk, value=-1) >= 0).reshape(b, nc, blk, 1, -1)
         parts.append((_logits("bqsnh,bqskh->bqsnk", qc, pc, h ** -0.5, mask),
-                      lambda p: jnp.einsum("bqsnk,bqskh->bqsnh", p, pc, preferred_element_type=jnp.float32)))
+                      lambda p: mixed_einsum("bqsnk,bqskh->bqsnh", p, pc)))
     out, mx, den = _softmax_with_sink(parts, sink, dt)
     out = out.reshape(b, nc * blk, n, h)[:, :s].astype(dt)
     if not return_mass:
@@ -176,7 +178,7 @@ def _window_parts(q, window_kv, window: int, replay_start, start, key_floor, cau
     if key_floor is not None:  # [B, Q, blk, T]: keys before the query's document start are invisible
         band_mask = band_mask & (kloc[None, :, None, :] >= _pad_seq(key_floor, nc * blk).reshape(b, nc, blk, 1))
     parts = [(_logits("bqsnh,bqth->bqsnt", qc, band, h ** -0.5, band_mask[:, :, :, None, :]),
-              lambda p: jnp.einsum("bqsnt,bqth->bqsnh", p, band, preferred_element_type=jnp.float32))]
+              lambda p: mixed_einsum("bqsnt,bqth->bqsnh", p, band))]
     return qc, parts, nc, blk
 
 
@@ -189,7 +191,7 @@ def _head_mass(logits, mx, den, s: int):
 
 
 def _logits(spec: str, q: jax.Array, k: jax.Array, scale: float, mask: jax.Array) -> jax.Array:
-    logits = jnp.einsum(spec, q, k.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+    logits = mixed_einsum(spec, q, k.astype(q.dtype)) * scale
     return jnp.where(mask, logits, NEG_INF)
 
 

@@ -15,7 +15,7 @@ from dsv41_jax.model.documents import Documents, documents
 from dsv41_jax.model.engram import Engram
 from dsv41_jax.model.indexer_loss import TARGETS, IndexerStats
 from dsv41_jax.model.kv_store import DenseKV, PrefixReuse, Visibility
-from dsv41_jax.model.layers import RMSNorm, normal
+from dsv41_jax.model.layers import MATMUL, RMSNorm, normal
 from dsv41_jax.model.mhc import collapse, expand, hc_mixes, hc_params
 from dsv41_jax.model.moe import MoE, Routing
 from dsv41_jax.sharding import constrain_batch, param
@@ -383,7 +383,9 @@ def _narrow(x, pre, is_image, shared: Shared, vis: Visibility, keep: int, trunca
 
 
 REMAT = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
-         "dots": jax.checkpoint_policies.dots_saveable}
+         # products: XLA's dots and mixed_einsum's outputs (a custom VJP, which dots_saveable does not see)
+         "dots": jax.checkpoint_policies.save_from_both_policies(
+             jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(MATMUL))}
 
 
 def _block_runner(remat: str, indexer_target: str | None):

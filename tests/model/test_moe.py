@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from dsv41_jax.model.moe import MoE, routed_experts
+from dsv41_jax.testing import mixed_products
 
 DIM = 64
 
@@ -290,22 +291,44 @@ def test_grouped_matmul_xla_is_the_grouped_product_with_zero_tail(rng):
         np.testing.assert_allclose(got, _grouped_oracle(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
         assert not np.asarray(got[-5:]).any()
     cot = jnp.asarray(rng.normal(size=(40, 24)), jnp.float32)
-    da, db = jax.grad(lambda a, b: jnp.sum(grouped_matmul(a, b, sizes, "xla") * cot), argnums=(0, 1))(lhs, rhs)
-    a, b, c = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64), np.asarray(cot, np.float64)
-    want_da, want_db, start = np.zeros_like(a), np.zeros_like(b), 0
-    for e, n in enumerate(np.asarray(sizes)):
-        want_da[start:start + n] = c[start:start + n] @ b[e].T
-        want_db[e] = a[start:start + n].T @ c[start:start + n]
-        start += n
+    da, drhs = jax.grad(lambda a, b: jnp.sum(grouped_matmul(a, b, sizes, "xla") * cot), argnums=(0, 1))(lhs, rhs)
+    want_da, want_drhs = _grouped_grads_oracle(lhs, rhs, sizes, cot)
     np.testing.assert_allclose(da, want_da, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(db, want_db, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(drhs, want_drhs, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="auto, xla or tokamax, got 'cublas'"):
         grouped_matmul(lhs, rhs, sizes, "cublas")
 
 
+def _grouped_grads_oracle(lhs, rhs, sizes, cot):
+    a, b, c = (np.asarray(x, np.float64) for x in (lhs, rhs, cot))
+    da, db, start = np.zeros_like(a), np.zeros_like(b), 0
+    for e, n in enumerate(np.asarray(sizes)):
+        da[start:start + n] = c[start:start + n] @ b[e].T
+        db[e] = a[start:start + n].T @ c[start:start + n]
+        start += n
+    return da, db
+
+
+def test_grouped_matmul_backward_runs_in_bf16(rng):
+    """bf16 operands: the fp32 cotangent is rounded to bf16 once and both gradients are bf16 products with fp32
+    sums (no fp32 × bf16 product, which promotes to an fp32 GEMM on GPU): each gradient is the float64 product
+    of the bf16 cotangent, rounded once to bf16."""
+    from dsv41_jax.model.moe import grouped_matmul
+
+    lhs, rhs, sizes = _grouped_case(rng, jnp.bfloat16)
+    cot = jnp.asarray(rng.normal(size=(40, 24)), jnp.float32)
+    loss = lambda a, b: jnp.sum(grouped_matmul(a, b, sizes, "xla") * cot)  # noqa: E731
+    da, drhs = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
+    assert da.dtype == drhs.dtype == jnp.bfloat16
+    for got, want in zip((da, drhs), _grouped_grads_oracle(lhs, rhs, sizes, cot.astype(jnp.bfloat16)), strict=True):
+        want = np.asarray(jnp.asarray(want, jnp.float32).astype(jnp.bfloat16), np.float32)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2 ** -7, atol=1e-6)
+    assert mixed_products(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(lhs, rhs).jaxpr) == []
+
+
 def test_tokamax_path_takes_its_forward_and_xla_gradients(rng, monkeypatch):
     """``implementation="tokamax"`` runs tokamax's forward and XLA's transpose for the gradients (tokamax's own
-    backward was measured wrong on the H200: see ``moe._tokamax_ragged_dot``). tokamax is stood in for by a
+    backward was measured wrong on the H200: see ``moe._grouped``). tokamax is stood in for by a
     forward that computes with ``lax.ragged_dot`` and a backward that returns garbage, as the measured one did:
     the forward and both gradients must be the XLA path's, bit for bit."""
     import types

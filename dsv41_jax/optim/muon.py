@@ -68,6 +68,32 @@ def orthogonalized_update(d: Float[Array, "*B Y X"], *, blocks: int, schedule, r
     return o.reshape(d.shape)
 
 
+def stacked_by_shape(fn, tree):
+    """``jax.tree.map(fn, tree)`` for a ``fn`` that treats leading axes as a batch, called once per group of leaves
+    of one shape and dtype, stacked on a new leading axis.
+
+    The model's layers hold their matrices apart (one leaf per layer), so a per-leaf Newton–Schulz is ~30 small
+    products per leaf, ~18,000 per step at ``configs/small.yaml``'s 40 layers; stacked, each iteration's
+    products are one batched product per shape. The stack adds an unsharded leading axis; leaves of one shape
+    share a role, and so a sharding, in every model config here (where two roles of one shape shard
+    differently, XLA reshards one of them for the stack). Equal to the per-leaf map up to the batched
+    products' summation order.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault((tuple(x.shape), jnp.dtype(x.dtype)), []).append(i)
+    out: list = [None] * len(leaves)
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = fn(leaves[idx[0]])
+            continue
+        stacked = fn(jnp.stack([leaves[i] for i in idx]))
+        for j, i in enumerate(idx):
+            out[i] = stacked[j]
+    return jax.tree.unflatten(treedef, out)
+
+
 def scale_by_muon(*, momentum: float, nesterov: bool, schedule: tuple[tuple[float, float, float], ...], rms: float,
                   eps: float, blocks: int = 1, state_dtype=jnp.float32, ns_dtype: str = "float32"
                   ) -> optax.GradientTransformation:
@@ -80,8 +106,8 @@ def scale_by_muon(*, momentum: float, nesterov: bool, schedule: tuple[tuple[floa
         del params
         m = jax.tree.map(lambda m, g: momentum * m + g.astype(m.dtype), state.momentum, updates)
         d = jax.tree.map(lambda m, g: momentum * m + g.astype(m.dtype), m, updates) if nesterov else m
-        o = jax.tree.map(lambda x: orthogonalized_update(x, blocks=blocks, schedule=schedule, rms=rms, eps=eps,
-                                                         ns_dtype=ns_dtype), d)
+        o = stacked_by_shape(lambda x: orthogonalized_update(x, blocks=blocks, schedule=schedule, rms=rms, eps=eps,
+                                                             ns_dtype=ns_dtype), d)
         return o, MuonState(momentum=m)
 
     return optax.GradientTransformation(init_fn, update_fn)

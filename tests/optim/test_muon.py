@@ -132,3 +132,25 @@ def test_optax_contrib_momentum_is_not_the_specs(rng):
     unit = lambda x: x / np.linalg.norm(x)
     np.testing.assert_allclose(unit(t1), unit(o1), atol=1e-5)  # step 1: both ∝ NS(G₁)
     assert np.abs(unit(t2) - unit(o2)).max() > 1e-3  # step 2: different momentum/gradient mix
+
+
+def test_leaves_of_one_shape_are_orthogonalised_together_as_apart(rng):
+    """``scale_by_muon`` stacks leaves of one shape and dtype (one per layer in the model) into one batched
+    Newton–Schulz: the same directions as leaf by leaf, in fp32 and bf16, with every leaf's own result; and
+    the step's products are one batch per shape (a tree of 6 leaves of 3 shapes: 3 groups)."""
+    from dsv41_jax.optim.muon import stacked_by_shape
+
+    shapes = [(48, 80), (48, 80), (3, 40, 24), (80, 48), (48, 80), (3, 40, 24)]
+    tree = {f"l{i}": jnp.asarray(rng.normal(size=s), jnp.float32) for i, s in enumerate(shapes)}
+    for ns_dtype, tol in (("float32", 1e-5), ("bfloat16", 1e-2)):
+        fn = lambda d, ns_dtype=ns_dtype: orthogonalized_update(  # noqa: E731
+            d, blocks=1, schedule=CFG.ns_schedule, rms=CFG.muon_rms, eps=CFG.ns_eps, ns_dtype=ns_dtype)
+        together = jax.jit(lambda t, fn=fn: stacked_by_shape(fn, t))(tree)
+        for name, x in tree.items():
+            apart = jax.jit(fn)(x)
+            assert together[name].shape == x.shape
+            err = np.linalg.norm(np.asarray(together[name]) - np.asarray(apart)) / np.linalg.norm(np.asarray(apart))
+            assert err < tol, (name, ns_dtype, err)
+    calls = []
+    stacked_by_shape(lambda x: calls.append(x.shape) or x, tree)
+    assert sorted(calls) == [(2, 3, 40, 24), (3, 48, 80), (80, 48)]

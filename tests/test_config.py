@@ -372,6 +372,7 @@ def test_impossible_topology_in_python_construction(attention, key):
     ("dtype: float16\n", "dtype"),
     ("attention: {kernel_backend: triton}\n", "attention.kernel_backend"),
     ("attention: {kernel_backend: 1}\n", "attention.kernel_backend"),
+    ("mhc: {sinkhorn_unroll_rows: -1}\n", "mhc.sinkhorn_unroll_rows"),
 ])
 def test_other_inconsistent_values_rejected(tmp_path, text, key):
     _raises_naming(_write(tmp_path, "preset: tiny\n" + text), key)
@@ -384,6 +385,8 @@ def test_kernel_backend_is_a_runtime_key(tmp_path):
     assert C.to_hf_json(cfg) == C.to_hf_json(C.tiny())
     assert "kernel_backend" not in C.to_hf_json(cfg)
     assert C.from_hf(json.loads(C.to_hf_json(cfg))).attention.kernel_backend == "xla"
+    cfg = C.load_yaml(_write(tmp_path, "preset: tiny\nmhc: {sinkhorn_unroll_rows: 0}\n"))  # the same for this one
+    assert cfg.mhc.sinkhorn_unroll_rows == 0 and C.to_hf_json(cfg) == C.to_hf_json(C.tiny())
 
 
 def test_configs_are_frozen():

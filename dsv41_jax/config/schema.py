@@ -103,6 +103,10 @@ class MHCConfig:
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
+    # speed, not math: on GPU a Sinkhorn over at most this many matrices (a decode step, a short chunk) is
+    # unrolled into one kernel a site instead of 19 host-launched loop trips (dsv41_jax.model.mhc.sinkhorn);
+    # it costs compile time (the engine-bench decode step: 32 -> 135 s on an H100). 0: always the loop
+    sinkhorn_unroll_rows: int = 1024
 
 
 @dataclass(frozen=True)
@@ -261,6 +265,8 @@ def validate(cfg: ModelConfig, source: str | None = None) -> None:
              source)
     if cfg.weight_format not in ("float", "native"):
         fail(f"weight_format must be 'float' or 'native', got {cfg.weight_format!r}", source)
+    if cfg.mhc.sinkhorn_unroll_rows < 0:
+        fail(f"mhc.sinkhorn_unroll_rows must be >= 0 (0: never unroll), got {cfg.mhc.sinkhorn_unroll_rows}", source)
     if a.kernel_backend not in KERNEL_BACKENDS:
         fail(f"attention.kernel_backend must be one of {', '.join(map(repr, KERNEL_BACKENDS))}, got "
              f"{a.kernel_backend!r}", source)

@@ -7,6 +7,8 @@ site (single-pass schedule, spec model §4.4).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -17,8 +19,18 @@ from dsv41_jax.model.layers import normal
 from dsv41_jax.sharding import param
 
 
-def sinkhorn(logits: Float[Array, "*B M M"], iters: int, eps: float) -> Float[Array, "*B M M"]:
-    """Row-softmax, then column/row normalisations; 20 of each for iters=20, ending on columns (§4.2)."""
+def sinkhorn(logits: Float[Array, "*B M M"], iters: int, eps: float, unroll: bool = False) -> Float[Array, "*B M M"]:
+    """Row-softmax, then column/row normalisations; 20 of each for iters=20, ending on columns (§4.2).
+
+    The iterations are a ``fori_loop``: one copy of the normalisations in the program. ``unroll`` writes the
+    38 normalisations out instead. On GPU each trip of a loop is launched from the host (it is not part of the
+    step's CUDA graph), ~30 µs a trip where the matrices are few, so at decode (19 trips a site, two sites a
+    layer) the loops were most of a step's kernels; unrolled, XLA fuses a site into one kernel (one site on an
+    H100, ``benchmarks/mhc_bench.py``: 642 → 81 µs; the engine-bench decode step 30.2 → 25.4 ms). The price is
+    compile time (that decode step: 32 → 135 s), so :func:`hc_mixes` unrolls only on GPU and only up to
+    ``MHCConfig.sinkhorn_unroll_rows`` matrices; training and prefill batches keep the loop, whose kernels
+    outlast its launches, and so do CPU and TPU, whose loops need no launch a trip. Same arithmetic either way.
+    """
     c = jax.nn.softmax(logits, axis=-1) + eps
     c = c / (c.sum(axis=-2, keepdims=True) + eps)
 
@@ -26,7 +38,7 @@ def sinkhorn(logits: Float[Array, "*B M M"], iters: int, eps: float) -> Float[Ar
         c = c / (c.sum(axis=-1, keepdims=True) + eps)
         return c / (c.sum(axis=-2, keepdims=True) + eps)
 
-    return jax.lax.fori_loop(0, iters - 1, row_then_column, c)  # a loop, not 38 unrolled ops per site
+    return jax.lax.fori_loop(0, iters - 1, row_then_column, c, unroll=True if unroll else 1)
 
 
 def hc_params(cfg: MHCConfig, dim: int, rngs: nnx.Rngs) -> tuple[nnx.Param, nnx.Param, nnx.Param]:
@@ -51,7 +63,8 @@ def hc_mixes(x: Float[Array, "B S M D"], fn: ArrayLike, base: ArrayLike, scale: 
     pre = jax.nn.sigmoid(mix[..., :m] * scale[0] + base[:m]) + eps
     post = 2 * jax.nn.sigmoid(mix[..., m:2 * m] * scale[1] + base[m:2 * m])
     comb = (mix[..., 2 * m:] * scale[2] + base[2 * m:]).reshape(*mix.shape[:-1], m, m)
-    return pre, post, sinkhorn(comb, cfg.hc_sinkhorn_iters, eps)
+    unroll = jax.default_backend() == "gpu" and math.prod(comb.shape[:-2]) <= cfg.sinkhorn_unroll_rows
+    return pre, post, sinkhorn(comb, cfg.hc_sinkhorn_iters, eps, unroll=unroll)
 
 
 def collapse(x: Float[Array, "B S M D"], pre: Float[Array, "B S M"]) -> Float[Array, "B S D"]:

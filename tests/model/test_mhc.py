@@ -79,6 +79,37 @@ def test_sinkhorn_equals_spec_loop(rng, magnitude):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_unrolled_sinkhorn_is_the_loop(rng):
+    """``unroll`` writes the loop out: the same normalisations in the same order, and the spec's values."""
+    logits = jnp.asarray(rng.standard_normal((2, 16, 4, 4)) * 3, jnp.float32)
+    looped, unrolled = (jax.jit(lambda x, u=u: sinkhorn(x, 20, 1e-6, unroll=u))(logits) for u in (False, True))
+    np.testing.assert_allclose(unrolled, looped, rtol=1e-6, atol=1e-7)
+    want = np.stack([sinkhorn_oracle(lg.astype(np.float64)) for lg in np.asarray(logits).reshape(-1, 4, 4)])
+    np.testing.assert_allclose(np.asarray(unrolled).reshape(-1, 4, 4), want, rtol=1e-5, atol=1e-6)
+
+
+def test_hc_mixes_unrolls_only_few_matrices_on_gpu(rng, monkeypatch):
+    """The loop is written out on GPU for at most ``sinkhorn_unroll_rows`` matrices (a decode step), and kept
+    for more (training, prefill), for 0, and on CPU and TPU."""
+    import dataclasses
+
+    from dsv41_jax.model import mhc
+
+    fn, base, scale = (jnp.zeros(s, jnp.float32) for s in ((24, 16), (24,), (3,)))
+
+    def loops(rows, backend, cfg=CFG):
+        monkeypatch.setattr(mhc.jax, "default_backend", lambda: backend)
+        x = jnp.zeros((1, rows, 4, 4), jnp.float32)
+        jaxpr = jax.make_jaxpr(lambda x: hc_mixes(x, fn, base, scale, cfg, NORM_EPS))(x).jaxpr
+        # a scan unrolled by its length is one trip (XLA removes the loop): only shorter unrolls loop
+        return any(e.primitive.name == "while"
+                   or (e.primitive.name == "scan" and e.params["unroll"] < e.params["length"]) for e in jaxpr.eqns)
+
+    assert not loops(1, "gpu") and not loops(CFG.sinkhorn_unroll_rows, "gpu")
+    assert loops(CFG.sinkhorn_unroll_rows + 1, "gpu") and loops(1, "cpu") and loops(1, "tpu")
+    assert loops(1, "gpu", dataclasses.replace(CFG, sinkhorn_unroll_rows=0))
+
+
 @pytest.mark.parametrize("magnitude", [0.05, 0.3, 0.5])
 def test_sinkhorn_doubly_stochastic_moderate_logits(rng, magnitude):
     logits = (rng.standard_normal((4096, 4, 4)) * magnitude).astype(np.float32)

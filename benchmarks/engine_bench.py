@@ -5,7 +5,8 @@ computed, not XLA's count), that floor's time at 4.3 TB/s and the measured step'
 Usage: python benchmarks/engine_bench.py decode|prefill|decode+prefill|parts|cost ...
 [--mesh=DxFxExT] (decode: weights placed by the sharding table, sequences over data×expert, MoE expert-parallel)
 [--moe=auto|gather|grouped] (the routed experts' path, model.moe.routed_path)
-[--weights=float|native] (native: the release's FP8 linears and MXFP4 experts with E8M0 scales, random codes).
+[--weights=float|native] (native: the release's FP8 linears and MXFP4 experts with E8M0 scales, random codes)
+[--profile=DIR] (decode: a trace of 3 steps of each case and its HLO, for ``profile_split.py DIR/bB_cC --steps 3``).
 ``moe BATCHES [PATHS]``: one MoE layer at the release's dimensions with MXFP4 experts, each routed path.
 Sizes: the release's attention and indexer geometry (64 heads × 512, index 32 × 128, top-k 512, window 128,
 2048 candidate blocks of 8) and all 40 layers with their roles; a narrower residual (dim 2048) and fewer,
@@ -211,7 +212,9 @@ def moe_layer(cfg: Cfg.ModelConfig, batches, paths=("gather", "grouped"), reps=1
                               "share_of_4.3TBps": needed / (COPY_TB_PER_S * 1e12) / sec}), flush=True)
 
 
-def decode(graphdef, state, cfg, contexts, batches, mesh=None):
+def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None):
+    """One decode step per (batch, context); with ``profile`` (a directory), a trace of the last one's steps and
+    its HLO under ``profile/b{batch}_c{context}`` for ``profile_split.py``."""
     from dsv41_jax.engine.sampling import SERVE_BATCH
     from dsv41_jax.model.moe import expert_parallel
     from dsv41_jax.sharding import named_shardings
@@ -237,6 +240,10 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None):
             analysis = step.cost_analysis()
             analysis = analysis if isinstance(analysis, dict) else analysis[0]
             sec, _ = timeit(step, state, cache, tokens, rows)
+            if profile is not None:
+                from profile_split import record
+
+                record(f"{profile}/b{b}_c{ctx}", step, functools.partial(step, state, cache, tokens, rows), steps=3)
             cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
             weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
             # XLA's count of bytes the step's kernels read and write (weights, caches, intermediates)
@@ -345,7 +352,7 @@ if __name__ == "__main__":
         sys.argv.remove(arg)
         shape = tuple(int(x) for x in arg.split("=")[1].split("x"))
         mesh = build_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
-    flags = {"--moe": "auto", "--weights": "float"}
+    flags = {"--moe": "auto", "--weights": "float", "--profile": None}
     for arg in [a for a in sys.argv if a.split("=")[0] in flags]:
         sys.argv.remove(arg)
         flags[arg.split("=")[0]] = arg.split("=")[1]
@@ -369,7 +376,7 @@ if __name__ == "__main__":
     print(json.dumps({"params_B": n_params / 1e9}), flush=True)
     if what == "decode":
         decode(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")],
-               mesh)
+               mesh, flags["--profile"])
     elif what == "decode+prefill":  # one weight build for both (decode CONTEXTS BATCHES, prefill LENGTHS REPS)
         decode(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")],
                mesh)

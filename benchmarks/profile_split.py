@@ -1,6 +1,6 @@
 """Split a profiled train step's device time between the model's parts.
 
-    python benchmarks/profile_split.py DIR [--steps 2]
+    python benchmarks/profile_split.py DIR [--steps 2] [--top 40]
 
 ``DIR`` is what ``train_bench.py throughput ... --profile DIR`` wrote: a trace of ``--steps`` steps and the
 compiled step's HLO. Every kernel in the trace names the HLO instruction it ran; the instruction's
@@ -8,7 +8,9 @@ compiled step's HLO. Every kernel in the trace names the HLO instruction it ran;
 ``indexer_loss``, ``moe``, ``engram``, ``head``, ``optimizer``; backward ops keep the scope of their forward
 op). The innermost scope names the part; fusions without one take the majority of the ops they fuse. On GPU,
 kernels replayed from a CUDA graph carry the instruction's name with '.' spelt '_'.
-Prints one JSON line per part (ms per step, share) and one for the total.
+Prints one JSON line per part (ms per step, share) and one for the total; with ``--top N``, then the N
+kernels (HLO instructions) that took the most time, each with its part, calls per step and the source scope
+of its own op_name (or of the largest op it fuses).
 """
 
 from __future__ import annotations
@@ -62,6 +64,58 @@ def hlo_parts(text: str) -> dict[str, str]:
     return parts
 
 
+def hlo_scopes(text: str) -> dict[str, str]:
+    """HLO instruction name -> its op_name, or for a fusion without one the op_name of its first member that
+    has one (GPU kernel names: '.' spelt '_' too)."""
+    own, calls, members = {}, {}, collections.defaultdict(list)
+    comp = None
+    for line in text.splitlines():
+        m = _INSTR.match(line)
+        if m is None:
+            c = _COMP.match(line)
+            if c is not None and "=" not in line.split("{")[0]:
+                comp = c.group(1)
+            continue
+        name = m.group(1)
+        op = _OPNAME.search(line)
+        own[name] = op.group(1) if op else ""
+        called = _CALLS.search(line)
+        if called:
+            calls[name] = called.group(1)
+        if comp is not None:
+            members[comp].append(name)
+    scopes = {}
+    for name, op in own.items():
+        if not op and name in calls:
+            op = next((own[i] for i in members.get(calls[name], ()) if own.get(i)), "")
+        scopes[name] = scopes[name.replace(".", "_")] = op
+    return scopes
+
+
+def top_kernels(trace: dict, parts: dict[str, str], scopes: dict[str, str], n: int, steps: int) -> list[dict]:
+    """The ``n`` kernels with the most device time: name, part, ms and calls per step, source scope."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    streams = [e for e in ops if threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
+    times, calls, library = collections.Counter(), collections.Counter(), {}
+    for e in streams or ops:
+        op = e["args"]["hlo_op"]
+        if op.startswith("command_buffer"):
+            op = e["name"]
+        times[op] += float(e.get("dur", 0.0))
+        calls[op] += 1
+        library.setdefault(op, e["args"].get("name", "") if op not in scopes else "")
+    out = []
+    for op, us in times.most_common(n):
+        scope = scopes.get(op) or library.get(op, "")
+        out.append({"kernel": op, "part": parts.get(op) or part_of(scope) or "other",
+                    "ms_per_step": us / 1e3 / steps, "calls_per_step": calls[op] / steps,
+                    "scope": scope[-160:]})
+    return out
+
+
 def kernel_parts(trace: dict, parts: dict[str, str]) -> tuple[collections.Counter, float, int]:
     """Device time (µs) per part over the trace's kernel events (GPU streams, else any op events), the time
     of kernels no part was found for, and the number of distinct kernels.
@@ -87,13 +141,32 @@ def kernel_parts(trace: dict, parts: dict[str, str]) -> tuple[collections.Counte
     return times, unmatched, len(names)
 
 
+def record(directory: str, compiled, run, steps: int = 2) -> None:
+    """A device trace of ``steps`` calls of ``run()`` and ``compiled``'s HLO beside it, what :func:`main` reads.
+
+    The trace's kernels are named after HLO instructions; the HLO's metadata names the source scope each
+    instruction came from, which is how the time is split between model parts offline.
+    """
+    import jax
+
+    os.makedirs(directory, exist_ok=True)
+    with gzip.open(os.path.join(directory, "step_hlo.txt.gz"), "wt") as f:
+        f.write(compiled.as_text())
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        for _ in range(steps):
+            out = run()
+        jax.block_until_ready(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("directory")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--top", type=int, default=0, help="also list the N kernels that took the most time")
     args = p.parse_args()
     with gzip.open(os.path.join(args.directory, "step_hlo.txt.gz"), "rt") as f:
-        parts = hlo_parts(f.read())
+        text = f.read()
+    parts = hlo_parts(text)
     (path,) = glob.glob(os.path.join(args.directory, "plugins", "profile", "*", "perfetto_trace.json.gz"))[-1:]
     with gzip.open(path, "rt") as f:
         per_part, unmatched, n_kernels = kernel_parts(json.load(f), parts)
@@ -102,6 +175,11 @@ def main() -> None:
         print(json.dumps({"part": part, "ms_per_step": us / 1e3 / args.steps, "share": us / total}))
     print(json.dumps({"part": "total", "ms_per_step": total / 1e3 / args.steps, "kernels": n_kernels,
                       "unattributed_share": unmatched / total if total else 0.0}))
+    if args.top:
+        with gzip.open(path, "rt") as f:
+            trace = json.load(f)
+        for row in top_kernels(trace, parts, hlo_scopes(text), args.top, args.steps):
+            print(json.dumps(row))
 
 
 if __name__ == "__main__":

@@ -118,7 +118,16 @@ def throughput(args, cfg):
                 jax.block_until_ready(ts)
                 times.append(time.perf_counter() - t)
             if args.profile:
-                profile(args.profile, compiled, ts, data)
+                from profile_split import record
+
+                box = [ts]
+
+                def run(box=box, compiled=compiled, data=data):
+                    box[0], _ = compiled(box[0], data)
+                    return box[0]
+
+                record(args.profile, compiled, run)
+                ts = box[0]
             sec = float(np.median(times))
             tok_s = args.accum * batch * args.seq / sec
             row |= {"params_B": n_params / 1e9, "step_s": sec, "tokens_per_s": tok_s,
@@ -132,25 +141,6 @@ def throughput(args, cfg):
         except Exception as err:  # noqa: BLE001 -- an out-of-memory configuration is a result, not a crash
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         print(json.dumps(row | {"flops_per_token": flops}), flush=True)
-
-
-def profile(directory: str, compiled, ts, data, steps: int = 2):
-    """A device trace of ``steps`` steps and the compiled HLO beside it, for ``profile_split.py``.
-
-    The trace's kernels are named after HLO instructions; the HLO's metadata names the source file and line
-    each instruction came from, which is how the step's time is split between model parts offline.
-    """
-    import gzip
-    import os
-
-    os.makedirs(directory, exist_ok=True)
-    with gzip.open(os.path.join(directory, "step_hlo.txt.gz"), "wt") as f:
-        f.write(compiled.as_text())
-    with jax.profiler.trace(directory, create_perfetto_trace=True):
-        for _ in range(steps):
-            ts, _ = compiled(ts, data)
-        jax.block_until_ready(ts)
-    return ts
 
 
 def equal(args, cfg):

@@ -113,3 +113,36 @@ def test_charts_draw_the_tables_numbers_and_nothing_else(tmp_path):
     (png,) = (tmp_path / "out").glob("*.png")  # the table without numbers draws nothing
     assert png.name == "00-decode.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "- Decode: ![](00-decode.png)" in (tmp_path / "out" / "index.md").read_text()
+
+
+def test_profile_split_attributes_kernels_and_lists_the_largest():
+    """profile_split.py on a hand-written HLO and trace: a kernel takes its instruction's scope, a fusion without
+    one its members' majority, a CUDA-graph replay ('.' spelt '_') its instruction's, a library kernel the scope
+    in its event; the top list orders kernels by time with calls and scope per step."""
+    split = load_script("benchmarks/profile_split.py")
+    hlo = "\n".join([
+        "%fused_computation.1 (p: f32[4]) -> f32[4] {",
+        '  %a = f32[4] add(p, p), metadata={op_name="jit(step)/mhc/add"}',
+        '  ROOT %m = f32[4] multiply(a, a), metadata={op_name="jit(step)/mhc/mul"}',
+        "}",
+        "ENTRY %main (x: f32[4]) -> f32[4] {",
+        "  %fusion.1 = f32[4] fusion(x), kind=kLoop, calls=%fused_computation.1",
+        '  %dot.2 = f32[4] dot(x, x), metadata={op_name="jit(step)/attention/bqsnh,bqskh->bqsnk/dot_general"}',
+        "}",
+    ])
+    stream = {"pid": 1, "tid": 7}
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #14(Compute)"}},
+        *[{"ph": "X", "name": "fusion_1", "dur": 10.0, "args": {"hlo_op": "command_buffer.3"}, **stream}] * 4,
+        {"ph": "X", "name": "dot.2", "dur": 50.0, "args": {"hlo_op": "dot.2"}, **stream},
+        {"ph": "X", "name": "nvjet_gemm", "dur": 30.0,
+         "args": {"hlo_op": "command_buffer.3", "name": "jit(step)/optimizer/dot_general"}, **stream},
+        {"ph": "X", "name": "memcpy", "dur": 5.0, "args": {"hlo_op": "command_buffer.3"}, **stream},
+    ]}
+    parts = split.hlo_parts(hlo)
+    times, unmatched, n = split.kernel_parts(trace, parts)
+    assert times == {"mhc": 40.0, "attention": 50.0, "optimizer": 30.0, "other": 5.0} and unmatched == 5.0 and n == 4
+    top = split.top_kernels(trace, parts, split.hlo_scopes(hlo), 3, steps=2)
+    assert [(r["kernel"], r["part"], r["ms_per_step"], r["calls_per_step"]) for r in top] == [
+        ("dot.2", "attention", 0.025, 0.5), ("fusion_1", "mhc", 0.02, 2.0), ("nvjet_gemm", "optimizer", 0.015, 0.5)]
+    assert top[1]["scope"] == "jit(step)/mhc/add" and "bqsnh" in top[0]["scope"]

@@ -100,9 +100,10 @@ def test_step_sees_the_documents_remats_and_reports_indexer_metrics(run):
     step_grads = new.opt_state[0]
     for (path, g), want in zip(nnx.to_flat_state(step_grads), jax.tree.leaves(grads), strict=True):
         # fp32 rounding of two programs (remat or not), relative to each gradient's own scale: an entry 1e-3 of
-        # its tensor's largest may be off by ~1e-8 (seen at XLA -O0 on some CPUs: 1.15e-8 on 2.1e-5 of 1.6e-2)
+        # its tensor's largest may be off by ~1e-8 (seen at XLA -O0 on some CPUs: 1.15e-8 on 2.1e-5 of 1.6e-2;
+        # on another, through the 20-step Sinkhorn's backward, 1.47e-9 on 1.7e-5 of 1.2e-3: 1.25e-6 of it)
         want = np.asarray(want)
-        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(path))
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=4e-6 * np.abs(want).max(), err_msg=str(path))
     # the positions and the segment ids of the batch are what the step used
     moved = dict(batch, positions=batch["positions"] + 3)
     assert abs(float(run["step"](state, moved)[1]["ce"]) - float(ce)) > 1e-4

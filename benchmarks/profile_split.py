@@ -10,7 +10,7 @@ op). The innermost scope names the part; fusions without one take the majority o
 kernels replayed from a CUDA graph carry the instruction's name with '.' spelt '_'.
 Prints one JSON line per part (ms per step, share) and one for the total; with ``--top N``, then the N
 kernels (HLO instructions) that took the most time, each with its part, calls per step and the source scope
-of its own op_name (or of the largest op it fuses).
+of its own op_name (or of the first op it fuses that has one).
 """
 
 from __future__ import annotations
@@ -36,37 +36,9 @@ def part_of(op_name: str) -> str | None:
     return found[-1] if found else None
 
 
-def hlo_parts(text: str) -> dict[str, str]:
-    """HLO instruction name -> part, from its own op_name or the majority of the computation it calls."""
-    own, calls, members = {}, {}, collections.defaultdict(list)
-    comp = None
-    for line in text.splitlines():
-        m = _INSTR.match(line)
-        if m is None:
-            c = _COMP.match(line)
-            if c is not None and "=" not in line.split("{")[0]:
-                comp = c.group(1)
-            continue
-        name = m.group(1)
-        op = _OPNAME.search(line)
-        own[name] = part_of(op.group(1)) if op else None
-        called = _CALLS.search(line)
-        if called:
-            calls[name] = called.group(1)
-        if comp is not None:
-            members[comp].append(name)
-    parts = {}
-    for name, part in own.items():
-        if part is None and name in calls:
-            votes = collections.Counter(own[i] for i in members.get(calls[name], ()) if own.get(i))
-            part = votes.most_common(1)[0][0] if votes else None
-        parts[name] = parts[name.replace(".", "_")] = part or "other"  # GPU kernels: '.' spelt '_'
-    return parts
-
-
-def hlo_scopes(text: str) -> dict[str, str]:
-    """HLO instruction name -> its op_name, or for a fusion without one the op_name of its first member that
-    has one (GPU kernel names: '.' spelt '_' too)."""
+def _hlo_ops(text: str) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]]]:
+    """The HLO's instructions: name -> its own op_name ("" without one), name -> the computation it calls, and
+    computation -> its instructions."""
     own, calls, members = {}, {}, collections.defaultdict(list)
     comp = None
     for line in text.splitlines():
@@ -84,6 +56,26 @@ def hlo_scopes(text: str) -> dict[str, str]:
             calls[name] = called.group(1)
         if comp is not None:
             members[comp].append(name)
+    return own, calls, members
+
+
+def hlo_parts(text: str) -> dict[str, str]:
+    """HLO instruction name -> part, from its own op_name or the majority of the computation it calls."""
+    own, calls, members = _hlo_ops(text)
+    own = {name: part_of(op) for name, op in own.items()}
+    parts = {}
+    for name, part in own.items():
+        if part is None and name in calls:
+            votes = collections.Counter(own[i] for i in members.get(calls[name], ()) if own.get(i))
+            part = votes.most_common(1)[0][0] if votes else None
+        parts[name] = parts[name.replace(".", "_")] = part or "other"  # GPU kernels: '.' spelt '_'
+    return parts
+
+
+def hlo_scopes(text: str) -> dict[str, str]:
+    """HLO instruction name -> its op_name, or for a fusion without one the op_name of the first of its members
+    that has one (GPU kernel names: '.' spelt '_' too)."""
+    own, calls, members = _hlo_ops(text)
     scopes = {}
     for name, op in own.items():
         if not op and name in calls:
@@ -92,24 +84,30 @@ def hlo_scopes(text: str) -> dict[str, str]:
     return scopes
 
 
-def top_kernels(trace: dict, parts: dict[str, str], scopes: dict[str, str], n: int, steps: int) -> list[dict]:
-    """The ``n`` kernels with the most device time: name, part, ms and calls per step, source scope."""
+def _kernels(trace: dict):
+    """``(instruction, event)`` of every kernel event (GPU streams, else any op event). A kernel replayed from a
+    CUDA graph has no instruction in ``hlo_op``: its name is the instruction's, or, for a library call
+    (cuBLAS), the event carries the scope path in ``args.name``."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
     streams = [e for e in ops if threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
-    times, calls, library = collections.Counter(), collections.Counter(), {}
     for e in streams or ops:
         op = e["args"]["hlo_op"]
-        if op.startswith("command_buffer"):
-            op = e["name"]
+        yield (e["name"] if op.startswith("command_buffer") else op), e
+
+
+def top_kernels(trace: dict, parts: dict[str, str], scopes: dict[str, str], n: int, steps: int) -> list[dict]:
+    """The ``n`` kernels with the most device time: name, part, ms and calls per step, source scope."""
+    times, calls, library = collections.Counter(), collections.Counter(), {}
+    for op, e in _kernels(trace):
         times[op] += float(e.get("dur", 0.0))
         calls[op] += 1
-        library.setdefault(op, e["args"].get("name", "") if op not in scopes else "")
+        library.setdefault(op, e["args"].get("name", ""))
     out = []
     for op, us in times.most_common(n):
-        scope = scopes.get(op) or library.get(op, "")
+        scope = scopes.get(op) or library[op]
         out.append({"kernel": op, "part": parts.get(op) or part_of(scope) or "other",
                     "ms_per_step": us / 1e3 / steps, "calls_per_step": calls[op] / steps,
                     "scope": scope[-160:]})
@@ -117,22 +115,10 @@ def top_kernels(trace: dict, parts: dict[str, str], scopes: dict[str, str], n: i
 
 
 def kernel_parts(trace: dict, parts: dict[str, str]) -> tuple[collections.Counter, float, int]:
-    """Device time (µs) per part over the trace's kernel events (GPU streams, else any op events), the time
-    of kernels no part was found for, and the number of distinct kernels.
-
-    A kernel replayed from a CUDA graph has no instruction in ``hlo_op``: its name is the instruction's, or,
-    for a library call (cuBLAS), the event carries the scope path in ``args.name``.
-    """
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
-    streams = [e for e in ops if threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
+    """Device time (µs) per part over the trace's kernel events (:func:`_kernels`), the time of kernels no part
+    was found for, and the number of distinct kernels."""
     times, unmatched, names = collections.Counter(), 0.0, set()
-    for e in streams or ops:
-        op = e["args"]["hlo_op"]
-        if op.startswith("command_buffer"):
-            op = e["name"]
+    for op, e in _kernels(trace):
         part = parts.get(op) or part_of(e["args"].get("name", ""))
         if part is None:
             unmatched += float(e.get("dur", 0.0))
@@ -169,15 +155,14 @@ def main() -> None:
     parts = hlo_parts(text)
     (path,) = glob.glob(os.path.join(args.directory, "plugins", "profile", "*", "perfetto_trace.json.gz"))[-1:]
     with gzip.open(path, "rt") as f:
-        per_part, unmatched, n_kernels = kernel_parts(json.load(f), parts)
+        trace = json.load(f)
+    per_part, unmatched, n_kernels = kernel_parts(trace, parts)
     total = sum(per_part.values())
     for part, us in per_part.most_common():
         print(json.dumps({"part": part, "ms_per_step": us / 1e3 / args.steps, "share": us / total}))
     print(json.dumps({"part": "total", "ms_per_step": total / 1e3 / args.steps, "kernels": n_kernels,
                       "unattributed_share": unmatched / total if total else 0.0}))
     if args.top:
-        with gzip.open(path, "rt") as f:
-            trace = json.load(f)
         for row in top_kernels(trace, parts, hlo_scopes(text), args.top, args.steps):
             print(json.dumps(row))
 

@@ -47,11 +47,19 @@ def mixed_einsum(spec: str, a: ArrayLike, b: ArrayLike) -> Float[Array, "..."]:
     value (the attention's logits and P·V, the experts' activations), it rounds as a bf16 backward does.
     Operands of fp32, or of two dtypes, take the plain product and autodiff.
     """
-    if a.dtype == b.dtype and jnp.dtype(a.dtype).itemsize < 4:
+    if gradient_dtype(a, b) != jnp.float32:
         out = _low_precision_einsum(spec, a, b)
     else:
         out = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
     return checkpoint_name(out, MATMUL)
+
+
+def gradient_dtype(a: ArrayLike, b: ArrayLike) -> jnp.dtype:
+    """The dtype a product's backward runs in: the operands' when both are one dtype narrower than fp32
+    (bf16, f16), else fp32 (:func:`mixed_einsum`, the grouped matmul's rule)."""
+    if a.dtype == b.dtype and jnp.dtype(a.dtype).itemsize < 4:
+        return jnp.dtype(a.dtype)
+    return jnp.dtype(jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

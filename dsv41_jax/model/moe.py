@@ -23,7 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dsv41_jax import quant
 from dsv41_jax.config import MoEConfig
 from dsv41_jax.config.schema import ROUTED_PATHS
-from dsv41_jax.model.layers import Linear, normal
+from dsv41_jax.model.layers import Linear, gradient_dtype, normal
 from dsv41_jax.sharding import BATCH_AXES, PARAM_AXES, batch_local, param
 
 
@@ -175,8 +175,7 @@ def _grouped_fwd(lhs, rhs, sizes, implementation):
 
 def _grouped_bwd(implementation, res, g):
     lhs, rhs, sizes = res
-    low = lhs.dtype == rhs.dtype and jnp.dtype(lhs.dtype).itemsize < 4
-    dtype = lhs.dtype if low else jnp.float32
+    dtype = gradient_dtype(lhs, rhs)
     _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=dtype), lhs, rhs)
     return (*vjp(g.astype(dtype)), None)
 

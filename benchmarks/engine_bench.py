@@ -6,6 +6,7 @@ Usage: python benchmarks/engine_bench.py decode|prefill|decode+prefill|parts|cos
 [--mesh=DxFxExT] (decode: weights placed by the sharding table, sequences over data×expert, MoE expert-parallel)
 [--moe=auto|gather|grouped] (the routed experts' path, model.moe.routed_path)
 [--weights=float|native] (native: the release's FP8 linears and MXFP4 experts with E8M0 scales, random codes)
+[--loop=N] (decode: N steps in one compiled loop with the cache donated, as the generator runs them, per step)
 [--profile=DIR] (decode: a trace of 3 steps of each case and its HLO, for ``profile_split.py DIR/bB_cC --steps 3``).
 ``moe BATCHES [PATHS]``: one MoE layer at the release's dimensions with MXFP4 experts, each routed path.
 Sizes: the release's attention and indexer geometry (64 heads × 512, index 32 × 128, top-k 512, window 128,
@@ -212,9 +213,14 @@ def moe_layer(cfg: Cfg.ModelConfig, batches, paths=("gather", "grouped"), reps=1
                               "share_of_4.3TBps": needed / (COPY_TB_PER_S * 1e12) / sec}), flush=True)
 
 
-def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None):
+def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None, loop=0):
     """One decode step per (batch, context); with ``profile`` (a directory), a trace of the last one's steps and
-    its HLO under ``profile/b{batch}_c{context}`` for ``profile_split.py``."""
+    its HLO under ``profile/b{batch}_c{context}`` for ``profile_split.py``.
+
+    ``loop`` > 0 times what the engine's generator runs instead (``Generator.decode_block``): ``loop`` steps in
+    one compiled ``fori_loop`` with the cache donated, each step feeding its greedy token back (the Engram rows
+    stay fixed), reported per step: the median of 5 calls after a warm-up (a trace: 3 more calls, so
+    ``profile_split.py --steps 3·loop``)."""
     from dsv41_jax.engine.sampling import SERVE_BATCH
     from dsv41_jax.model.moe import expert_parallel
     from dsv41_jax.sharding import named_shardings
@@ -225,32 +231,61 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None):
         with expert_parallel(mesh):
             return forward_chunk(nnx.merge(graphdef, st), c, t, r, jnp.ones((t.shape[0],), jnp.int32))
 
+    def loop_steps(st, c, t, r):
+        model = nnx.merge(graphdef, st)
+
+        def body(_, carry):
+            c, t = carry
+            with expert_parallel(mesh):
+                logits, c = forward_chunk(model, c, t, r, jnp.ones((t.shape[0],), jnp.int32))
+            return c, jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+
+        return jax.lax.fori_loop(0, loop, body, (c, t))
+
+    spare = max(128, 9 * loop)  # rows past the context: 6 timed calls and 3 traced ones of `loop` steps
     for b in batches:
         for ctx in contexts:
-            cache = C.init_cache(cfg, b, ctx + 128)
+            cache = C.init_cache(cfg, b, ctx + spare)
             cache = cache._replace(lengths=jnp.full((b,), ctx, jnp.int32))  # cost depends on shapes, not values
             if mesh is not None:
                 cache = jax.device_put(cache, named_shardings(mesh, C.cache_partition_specs(cache, mesh,
                                                                                    batch_axis=SERVE_BATCH)))
             tokens = (jnp.arange(b, dtype=jnp.int32)[:, None] * 7919 + 1) % cfg.vocab_size  # rows route apart
             rows = jnp.stack([jnp.full((b, 1, cfg.engram.n_columns), r // 2, jnp.int32) for r in rows_per], 2)
+            cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
             t0 = time.perf_counter()
-            step = jax.jit(one_step).lower(state, cache, tokens, rows).compile()
+            if loop:
+                step = jax.jit(loop_steps, donate_argnums=1).lower(state, cache, tokens, rows).compile()
+            else:
+                step = jax.jit(one_step).lower(state, cache, tokens, rows).compile()
             compile_s = time.perf_counter() - t0
             analysis = step.cost_analysis()
             analysis = analysis if isinstance(analysis, dict) else analysis[0]
-            sec, _ = timeit(step, state, cache, tokens, rows)
+            if loop:
+                carry, times = (cache, tokens), []
+                for _ in range(6):
+                    t0 = time.perf_counter()
+                    carry = jax.block_until_ready(step(state, *carry, rows))
+                    times.append(time.perf_counter() - t0)
+                sec = float(np.median(times[1:])) / loop
+            else:
+                sec, _ = timeit(step, state, cache, tokens, rows)
             if profile is not None:
                 from profile_split import record
 
-                record(f"{profile}/b{b}_c{ctx}", step, functools.partial(step, state, cache, tokens, rows), steps=3)
-            cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+                if loop:  # each traced call consumes the last one's cache
+                    def again(held=[carry], step=step, rows=rows):  # noqa: B006
+                        held[0] = step(state, *held[0], rows)
+                        return held[0]
+                else:
+                    again = functools.partial(step, state, cache, tokens, rows)
+                record(f"{profile}/b{b}_c{ctx}", step, again, steps=3)
             weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
             # XLA's count of bytes the step's kernels read and write (weights, caches, intermediates)
-            accessed = analysis.get("bytes accessed", float("nan"))
+            accessed = analysis.get("bytes accessed", float("nan")) / max(loop, 1)
             floor = decode_floor(cfg, b, ctx)
             print(json.dumps({"bench": "decode_step", "mesh": None if mesh is None else dict(mesh.shape),
-                              "moe": cfg.moe.routed_path, "batch": b, "context": ctx, "ms": sec * 1e3,
+                              "moe": cfg.moe.routed_path, "loop": loop, "batch": b, "context": ctx, "ms": sec * 1e3,
                               "tokens_per_s": b / sec, "compile_s": compile_s, "cache_GB": cache_bytes / 1e9,
                               "weights_GB": weight_bytes / 1e9, "bytes_accessed_GB": accessed / 1e9,
                               "achieved_GB_per_s": accessed / sec / 1e9,
@@ -259,6 +294,8 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None):
                               "needed_GB": {k: v / 1e9 for k, v in floor.items() if k not in ("total", "floor_ms")}}),
                   flush=True)
             del cache
+            if loop:
+                del carry
 
 
 def prefill(graphdef, state, cfg, lengths, chunk=2048, reps=3, modes=("exact", "ced")):
@@ -352,7 +389,7 @@ if __name__ == "__main__":
         sys.argv.remove(arg)
         shape = tuple(int(x) for x in arg.split("=")[1].split("x"))
         mesh = build_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
-    flags = {"--moe": "auto", "--weights": "float", "--profile": None}
+    flags = {"--moe": "auto", "--weights": "float", "--profile": None, "--loop": "0"}
     for arg in [a for a in sys.argv if a.split("=")[0] in flags]:
         sys.argv.remove(arg)
         flags[arg.split("=")[0]] = arg.split("=")[1]
@@ -376,7 +413,7 @@ if __name__ == "__main__":
     print(json.dumps({"params_B": n_params / 1e9}), flush=True)
     if what == "decode":
         decode(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")],
-               mesh, flags["--profile"])
+               mesh, flags["--profile"], int(flags["--loop"]))
     elif what == "decode+prefill":  # one weight build for both (decode CONTEXTS BATCHES, prefill LENGTHS REPS)
         decode(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")],
                mesh)

@@ -241,16 +241,47 @@ def routed_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: 
 
 
 def _gathered_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
-                      stored: tuple[tuple[Array, ...], ...], limit: float) -> Float[Array, "U D"]:
+                      stored: tuple[tuple[Array, ...], ...], limit: float, fused: bool = False) -> Float[Array, "U D"]:
     """Per token copy, its expert's three matrices gathered by id from ``stored`` (w1, w2, w3 as
-    :meth:`StackedLinear.stored`): [U, K, F, D] then two batched matvecs and the weighted sum over K."""
-    dt = x.dtype
+    :meth:`StackedLinear.stored`): [U, K, F, D] then two batched matvecs and the weighted sum over K.
+
+    ``fused``: the matvecs written as fp32 products summed by a reduction, so that XLA:GPU fuses the gather
+    (and the MXFP4 dequantisation) into the reduction's kernel and each picked matrix is read once from the
+    expert table, never copied; otherwise ``take`` materialises the copies and ``einsum`` multiplies them
+    (one matmul, the better form where the copies are many or the backend has no such fusion). Either way
+    the operands are the activation-dtype values (exact in fp32), the sums fp32, and the activation is
+    rounded to the activation dtype before ``w2``.
+    """
+    dt, f32 = x.dtype, jnp.float32
+    if fused:
+        w1, w2, w3 = (take_experts(a, experts, f32) for a in stored)
+        xf = x.astype(f32)[:, None, None, :]
+        gate, up = jnp.sum(xf * w1, -1), jnp.sum(xf * w3, -1)
+        act = (clamped_swiglu(gate, up, limit) * weights[..., None]).astype(dt).astype(f32)
+        return jnp.sum(jnp.sum(act[:, :, None, :] * w2, -1), 1)
     w1, w2, w3 = (take_experts(a, experts, dt) for a in stored)
-    f32 = jnp.float32
     gate = jnp.einsum("ud,ukfd->ukf", x, w1, preferred_element_type=f32)
     up = jnp.einsum("ud,ukfd->ukf", x, w3, preferred_element_type=f32)
     act = clamped_swiglu(gate, up, limit) * weights[..., None]  # routing weight before w2 (spec model §5.2)
     return jnp.einsum("ukf,ukdf->ud", act.astype(dt), w2, preferred_element_type=f32)
+
+
+def _dense_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
+                   w1: Array, w2: Array, w3: Array, limit: float) -> Float[Array, "U D"]:
+    """Every expert on every token, the unpicked ones weighted 0: ``w1``/``w3`` [E, F, D] as one matmul of the
+    U rows against all E·F output columns and ``w2`` [E, D, F] as a matmul batched over experts, both against
+    the stored [E, out, in] layout (no transposed copy of any weight). Reads each expert once, like the
+    grouped matmul, in E/K times its FLOPs: the better form while the rows are few enough that the matmuls
+    stay bound by reading the weights (a decode step of up to :data:`DENSE_MAX_TOKENS` tokens).
+
+    The picked products are the grouped path's: the same activation-dtype operands and fp32 sums, the routing
+    weight applied before rounding the activation (a token never picks an expert twice: ``top_k``)."""
+    dt, f32 = x.dtype, jnp.float32
+    combine = jnp.sum((experts[..., None] == jnp.arange(w1.shape[0])) * weights[..., None], axis=1)  # [U, E]
+    gate = jnp.einsum("ud,efd->uef", x, w1, preferred_element_type=f32)
+    up = jnp.einsum("ud,efd->uef", x, w3, preferred_element_type=f32)
+    act = clamped_swiglu(gate, up, limit) * combine[..., None]
+    return jnp.einsum("uef,edf->ued", act.astype(dt), w2, preferred_element_type=f32).sum(1)
 
 
 def _local_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],

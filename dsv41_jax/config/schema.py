@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 KERNEL_BACKENDS = ("xla", "pallas")  # = pallas_kernels.*.api.BACKENDS
 GROUPED_MATMULS = ("auto", "xla", "tokamax")  # = dsv41_jax.model.moe.grouped_matmul's implementations
-ROUTED_PATHS = ("auto", "gather", "grouped")  # dsv41_jax.model.moe.gathers's paths
+ROUTED_PATHS = ("auto", "gather", "dense", "grouped")  # dsv41_jax.model.moe.routed_path
 
 
 class ConfigError(ValueError):
@@ -92,9 +92,9 @@ class MoEConfig:
     # the routed experts' grouped matmul (dsv41_jax.model.moe.grouped_matmul): auto = tokamax's kernel on GPU
     # when it is installed (extra `gpu`), else lax.ragged_dot; or force `xla` / `tokamax`
     grouped_matmul: str = "auto"
-    # how the routed experts are read (dsv41_jax.model.moe.gathers): auto = gather only the picked experts'
-    # weights when that moves fewer bytes than the grouped matmul over all of them (3 · tokens · k < experts in
-    # the activation dtype, tokens · k < 0.81 · experts in MXFP4 under bf16: decode); or force `gather` / `grouped`
+    # how the routed experts are read (dsv41_jax.model.moe.routed_path): auto = gather only the picked experts'
+    # weights when that moves fewer bytes than reading all of them (decode), else on GPU every expert on every
+    # token up to 128 tokens (dense), else the grouped matmul; or force `gather` / `dense` / `grouped`
     routed_path: str = "auto"
 
 

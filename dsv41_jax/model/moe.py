@@ -2,8 +2,9 @@
 
 Routed experts are computed with a grouped matmul over tokens sorted by expert (:func:`grouped_matmul`:
 tokamax's Mosaic kernel on GPU, ``lax.ragged_dot`` elsewhere; XLA's GPU ragged_dot densifies), or, for a few
-token copies (a decode step), by gathering only the picked experts' weights (:func:`gathers` decides, at trace
-time; MXFP4 experts are dequantised after the gather). Under :func:`expert_parallel` with a mesh whose
+token copies (a decode step), by gathering only the picked experts' weights (MXFP4 experts are dequantised
+after the gather), or for a decode batch on GPU by running every expert on every token against the weights'
+stored layout (:func:`routed_path` decides, at trace time). Under :func:`expert_parallel` with a mesh whose
 ``expert`` axis has several devices, each device holds only its slice of the experts and
 :func:`routed_experts_ep` exchanges tokens instead of weights (``shard_map``).
 """
@@ -196,28 +197,44 @@ def _tokamax():
     return tokamax
 
 
-def gathers(copies: int, n_experts: int, path: str = "auto", *, stored: float = 1.0, dequantised: float = 0.0
-            ) -> bool:
-    """Whether ``copies`` token copies (tokens × K) go through the picked experts' gathered weights rather
-    than the grouped matmul over all ``n_experts``; static, decided at trace time from shapes and dtypes.
+DENSE_MAX_TOKENS = 128  # dense routed experts while the rows are this few (their matmuls stay bandwidth-bound)
 
-    ``auto`` picks the path that moves fewer bytes per expert parameter. The grouped matmul reads each
-    expert's ``stored`` bytes once and, when the weights are not held in the activation dtype (MXFP4, or
-    fp32 weights under bf16 activations), writes and reads the converted matrix (``dequantised`` = twice the
-    activation's itemsize); a gathered copy costs that plus ``2 · stored`` for the take's read and write.
-    So auto gathers when copies · (3s + d) < n_experts · (s + d): 3 · copies < n_experts for weights in the
-    activation dtype (measured on the H200, BENCHMARKS.md: 6 picks of 16 bf16 experts, gathering was 12 %
-    slower), copies < 0.81 · n_experts for MXFP4 experts under bf16 (the release up to batch 51).
-    ``gather`` / ``grouped`` force a path (benchmarks, equivalence tests).
+
+def routed_path(copies: int, tokens: int, n_experts: int, path: str = "auto", *, stored: float = 1.0,
+                dequantised: float = 0.0, backend: str | None = None) -> str:
+    """How ``copies`` token copies (``tokens`` × K) reach ``n_experts`` experts: ``gather`` (only the picked
+    experts' weights, :func:`_gathered_experts`), ``dense`` (every expert on every token, :func:`_dense_experts`)
+    or ``grouped`` (copies sorted by expert, :func:`grouped_matmul`); static, decided at trace time from shapes,
+    dtypes and the backend (``jax.default_backend()`` unless given).
+
+    ``auto`` picks by the bytes moved per expert parameter. The grouped matmul and the dense form read each
+    expert's ``stored`` bytes once and, when the weights are not held in the activation dtype (MXFP4, or fp32
+    weights under bf16 activations), write and read the converted matrix (``dequantised`` = twice the
+    activation's itemsize). On GPU a gathered copy is read inside the kernel that uses it (the fused form:
+    ``stored`` bytes, dequantised in registers), so auto gathers while copies · s < E · (s + d): fewer copies
+    than experts in the activation dtype (the engine-bench model's 6 of 16 at batch 1), ~8.5 E for MXFP4 under
+    bf16 (the release's 384 experts up to batch ~540). Otherwise, on GPU, the dense form up to
+    :data:`DENSE_MAX_TOKENS` tokens (XLA:GPU's ragged dot also copies every weight transposed; H100,
+    BENCHMARKS.md: 16 experts of 1024 × 2048 at 8–128 tokens, dense 316–353 µs a layer against 344–515), the
+    grouped matmul beyond. Elsewhere the gathered copies are materialised (``take``: read, written and read
+    again, 3s + d a copy), so auto gathers while copies · (3s + d) < E · (s + d) and else takes the grouped
+    matmul: 3 · copies < E in the activation dtype, copies < 0.81 · E for MXFP4 under bf16.
+    ``gather`` / ``dense`` / ``grouped`` force a path (benchmarks, equivalence tests).
     """
     if path not in ROUTED_PATHS:
         raise ValueError(f"moe routed path must be one of {', '.join(ROUTED_PATHS)}, got {path!r}")
+    if path != "auto":
+        return path
+    gpu = (backend or jax.default_backend()) == "gpu"
     grouped = stored + dequantised
-    return path == "gather" or (path == "auto" and copies * (2 * stored + grouped) < n_experts * grouped)
+    gathered = stored if gpu else 2 * stored + grouped
+    if copies * gathered < n_experts * grouped:
+        return "gather"
+    return "dense" if gpu and tokens <= DENSE_MAX_TOKENS else "grouped"
 
 
 def _read_bytes(m: StackedLinear, dtype) -> dict[str, float]:
-    """:func:`gathers`'s ``stored`` / ``dequantised`` bytes per parameter of ``m``'s experts under ``dtype``
+    """:func:`routed_path`'s ``stored`` / ``dequantised`` bytes per parameter of ``m``'s experts under ``dtype``
     activations (MXFP4: half a byte per code plus an E8M0 byte per 32)."""
     w = m.weight
     stored = 0.5 + 1 / quant.MXFP4_BLOCK if m.native else jnp.dtype(w.dtype).itemsize
@@ -228,16 +245,25 @@ def _read_bytes(m: StackedLinear, dtype) -> dict[str, float]:
 def routed_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
                    module: Experts, limit: float, implementation: str = "auto", path: str = "auto"
                    ) -> Float[Array, "U D"]:
-    """Σ_k weight_k · Expert_{e_k}(x) in fp32: the picked experts' gathered weights when :func:`gathers`
-    says so (a decode step: U·K = 6 per sequence against 384 experts, so the step reads U·K expert
-    matrices rather than all of them), else token copies sorted by expert and a grouped matmul.
-    ``implementation``: :func:`grouped_matmul`'s; ``path``: :func:`gathers`'s.
+    """Σ_k weight_k · Expert_{e_k}(x) in fp32, by :func:`routed_path`: the picked experts' gathered weights (a
+    decode step: U·K = 6 per sequence against 384 experts, so the step reads U·K expert matrices rather than
+    all of them), every expert on every token (a decode batch on GPU), or token copies sorted by expert and a
+    grouped matmul. ``implementation``: :func:`grouped_matmul`'s; ``path``: :func:`routed_path`'s.
     """
     mats = (module.w1, module.w2, module.w3)
-    if gathers(experts.size, module.w1.weight.shape[0], path, **_read_bytes(module.w1, x.dtype)):
-        return _gathered_experts(x, experts, weights, tuple(m.stored() for m in mats), limit)
+    how = routed_path(experts.size, x.shape[0], module.w1.weight.shape[0], path, **_read_bytes(module.w1, x.dtype))
+    if how == "gather":
+        return _gathered_experts(x, experts, weights, tuple(m.stored() for m in mats), limit, fused=_fuses())
     w1, w2, w3 = (m.dense(x.dtype) for m in mats)
+    if how == "dense":
+        return _dense_experts(x, experts, weights, w1, w2, w3, limit)
     return _local_experts(x, experts, weights, w1, w2, w3, limit, first=0, implementation=implementation)
+
+
+def _fuses() -> bool:
+    """Whether the gathered experts take the fused form: on GPU, where XLA fuses the gather into the reductions
+    (H100, 16 experts of 1024 × 2048, one token: 90 against 173 µs a layer, BENCHMARKS.md)."""
+    return jax.default_backend() == "gpu"
 
 
 def _gathered_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: Float[Array, "U K"],
@@ -343,8 +369,9 @@ def routed_experts_ep(x: Float[Array, "U D"], experts: Int[Array, "U K"], weight
     (e.g. decode at batch 1), every device of a group holds all of them and the partial outputs are all-reduced.
     Exact: the same products as :func:`routed_experts`; only the fp32 sum over a token's experts is ordered
     differently. Traffic per MoE layer is 2·U·D per device, against U·K·D for an all-to-all dispatch: less
-    while the ``expert`` axis is no larger than K. Each device computes its copies by :func:`gathers`'s rule
-    over its own experts: gathered (copies routed elsewhere take local expert 0 with weight 0), or grouped.
+    while the ``expert`` axis is no larger than K. Each device computes its copies by :func:`routed_path`'s rule
+    over its own experts: gathered (copies routed elsewhere take local expert 0 with weight 0), dense (they
+    match no local expert) or grouped.
     """
     from jax.sharding import PartitionSpec as P
 
@@ -362,21 +389,24 @@ def routed_experts_ep(x: Float[Array, "U D"], experts: Int[Array, "U K"], weight
     dt = x.dtype
     stored = [m.stored() for m in (module.w1, module.w2, module.w3)]
     per = len(stored[0])  # arrays per matrix: 1, or 2 when native (codes, scales)
-    # every copy reaches every device of its group
-    gather = gathers(experts.size, n // n_ep, path, **_read_bytes(module.w1, dt))
+    # counted over all tokens: every copy reaches every device of its group
+    how = routed_path(experts.size, x.shape[0], n // n_ep, path, **_read_bytes(module.w1, dt))
 
     def body(x, e, w, *arrays):
         if split:
             x, e, w = (jax.lax.all_gather(v, "expert", axis=0, tiled=True) for v in (x, e, w))
         mats = tuple(arrays[i * per:(i + 1) * per] for i in range(3))
         first = jax.lax.axis_index("expert") * arrays[0].shape[0]
-        if gather:
+        if how == "gather":
             local = e - first
             mine = (local >= 0) & (local < arrays[0].shape[0])
-            y = _gathered_experts(x, jnp.where(mine, local, 0), jnp.where(mine, w, 0.0), mats, limit)
+            y = _gathered_experts(x, jnp.where(mine, local, 0), jnp.where(mine, w, 0.0), mats, limit, _fuses())
         else:
             w1, w2, w3 = (_dequant(a, dt) for a in mats)
-            y = _local_experts(x, e, w, w1, w2, w3, limit, first, implementation)
+            if how == "dense":  # ids of other devices' experts match no local expert: weight 0
+                y = _dense_experts(x, e - first, w, w1, w2, w3, limit)
+            else:
+                y = _local_experts(x, e, w, w1, w2, w3, limit, first, implementation)
         if split:
             return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
         return jax.lax.psum(y, "expert")

@@ -61,7 +61,7 @@ def decode_gathered():
     rng = np.random.default_rng(1)
     graphs = {p: nnx.graphdef(MoE(dataclasses.replace(m, routed_path=p), cfg.dim, m.n_routed_experts,
                                   m.n_activated_experts, dtype=jnp.float32, param_dtype=jnp.float32,
-                                  rngs=nnx.Rngs(1), native=True)) for p in ("gather", "grouped")}
+                                  rngs=nnx.Rngs(1), native=True)) for p in ("gather", "dense", "grouped")}
 
     def forward(state, x, mesh, path):
         with expert_parallel(mesh):
@@ -71,11 +71,12 @@ def decode_gathered():
     for shape, batch in (((1, 1, 8, 1), 1), ((1, 1, 2, 1), 2)):
         x = jnp.asarray(rng.standard_normal((batch, 1, cfg.dim)), jnp.float32)
         want = fn(state, x, None, "grouped")
-        step = fn.lower(state, x, build_mesh(shape), "gather").compile()
-        got = step(state, x)
-        print(json.dumps({"decode": shape, "batch": batch, "err": float(jnp.abs(got - want).max()),
-                          "scale": float(jnp.abs(want).max()), "collectives": sorted(set(re.findall(
-                              r"\b(all-reduce|all-gather|reduce-scatter|all-to-all)\b", step.as_text())))}))
+        for path in ("gather", "dense"):
+            step = fn.lower(state, x, build_mesh(shape), path).compile()
+            got = step(state, x)
+            print(json.dumps({"decode": shape, "path": path, "batch": batch, "err": float(jnp.abs(got - want).max()),
+                              "scale": float(jnp.abs(want).max()), "collectives": sorted(set(re.findall(
+                                  r"\b(all-reduce|all-gather|reduce-scatter|all-to-all)\b", step.as_text())))}))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ Oracles: float64 numpy per token — sqrtsoftplus scores, an explicit sort for t
 python loop over each token's selected experts.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,23 +203,33 @@ PICKS = [[3, 3, 5], [5, 0, 7], [7, 3, 0], [0, 5, 3]]
 
 @pytest.mark.parametrize("native, dtype", [(False, jnp.float32), (True, jnp.bfloat16)],
                          ids=["float-fp32", "mxfp4-bf16"])
-def test_gathered_experts_equal_the_grouped_matmul(native, dtype):
-    """The forced ``gather`` path equals the forced ``grouped`` one (which equals the per-token loop above):
-    float storage in fp32, and the release's storage (MXFP4 experts, bf16 activations). Both paths take
-    operands in the activation dtype with fp32 sums and round the activation to it before ``w2``, so only
-    the fp32 summation order differs: bound 1e-5 of the largest output entry (measured: at most 3.1e-7 of it
-    in fp32, 7e-8 in bf16; float storage in bf16 and MXFP4 in fp32 measured alike, 1.6e-7 and 1.8e-7)."""
-    from dsv41_jax.model.moe import Experts
+def test_gathered_and_dense_experts_equal_the_grouped_matmul(native, dtype):
+    """The forced ``gather`` path (both forms: copies taken then multiplied, and the fused products summed by
+    reductions that the GPU takes) and the ``dense`` path equal the forced ``grouped`` one (which equals the
+    per-token loop above): float storage in fp32, and the release's storage (MXFP4 experts, bf16
+    activations). All take operands in the activation dtype with fp32 sums and round the activation to it
+    before ``w2``, so only the fp32 summation order differs: bound 1e-5 of the largest output entry
+    (measured: at most 3.1e-7 of it in fp32, 7e-8 in bf16; float storage in bf16 and MXFP4 in fp32 measured
+    alike, 1.6e-7 and 1.8e-7). ``dense`` sums a row's duplicate pick (3, 3) as one expert with the summed
+    weight, which rounds the activation once instead of twice: held to the bf16 rounding of that term,
+    2^-8 of the output, in bf16 (a ``top_k`` never picks an expert twice)."""
+    from dsv41_jax.model.moe import Experts, _gathered_experts
 
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.normal(0, 4.0, (len(PICKS), DIM)), dtype)
     weights = jnp.asarray(rng.uniform(0.1, 1.4, (len(PICKS), 3)), jnp.float32)
     ex = Experts(8, DIM, 32, param_dtype=dtype, rngs=nnx.Rngs(2), native=native)
+    picks = jnp.asarray(PICKS, jnp.int32)
     fun = nnx.jit(lambda m, x, e, w, path: routed_experts(x, e, w, m, 10.0, path=path), static_argnums=4)
-    got, want = (np.asarray(fun(ex, x, jnp.asarray(PICKS, jnp.int32), weights, p)) for p in ("gather", "grouped"))
+    want = np.asarray(fun(ex, x, picks, weights, "grouped"))
+    fused = nnx.jit(lambda m, x, e, w: _gathered_experts(
+        x, e, w, tuple(v.stored() for v in (m.w1, m.w2, m.w3)), 10.0, fused=True))
     scale = np.abs(want).max()
     assert scale > 1
-    assert np.abs(got - want).max() <= 1e-5 * scale
+    for name, got in (("gather", fun(ex, x, picks, weights, "gather")), ("fused", fused(ex, x, picks, weights)),
+                      ("dense", fun(ex, x, picks, weights, "dense"))):
+        bound = 2.0 ** -8 if name == "dense" and dtype == jnp.bfloat16 else 1e-5
+        assert np.abs(np.asarray(got) - want).max() <= bound * scale, name
 
 
 def _weight_reads(fun, stored, *args):
@@ -236,17 +248,24 @@ def test_gathered_path_reads_only_the_picked_experts(native):
     bytes it reads (``U·K × bytes per expert``) are the same for 16 and 256 experts; the grouped path's
     first use of the weights is all E experts. (XLA's ``cost_analysis`` charges a gather its whole operand,
     so its byte count cannot show this; the jaxpr can.)"""
-    from dsv41_jax.model.moe import Experts, _read_bytes, gathers
+    from dsv41_jax.model.moe import Experts, _read_bytes, routed_path
 
-    # auto picks by bytes moved (gathers' docstring): weights in the activation dtype, 3·copies < E; MXFP4
-    # under bf16, copies < 0.81·E (the release's 384 experts up to batch 51); forced paths; a misspelt one
+    # auto picks by bytes moved (routed_path's docstring). Materialised copies (CPU, TPU): weights in the
+    # activation dtype, 3·copies < E; MXFP4 under bf16, copies < 0.81·E (the release's 384 experts up to batch
+    # 51); else grouped. Fused copies (GPU): copies < E in the activation dtype, copies < ~8.5·E for MXFP4;
+    # else dense up to 128 tokens, grouped beyond. Forced paths; a misspelt one
     mx = _read_bytes(Experts(2, DIM, 32, param_dtype=jnp.float32, rngs=nnx.Rngs(0), native=True).w1, jnp.bfloat16)
     assert mx == {"stored": 0.5 + 1 / 32, "dequantised": 4}
-    assert gathers(5, 16) and not gathers(6, 16)
-    assert gathers(6 * 51, 384, **mx) and not gathers(6 * 52, 384, **mx)
-    assert gathers(100, 8, "gather") and not gathers(1, 384, "grouped")
-    with pytest.raises(ValueError, match="got 'dense'"):
-        gathers(1, 8, "dense")
+    cpu = functools.partial(routed_path, backend="cpu")
+    assert cpu(5, 5, 16) == "gather" and cpu(6, 6, 16) == "grouped"
+    assert cpu(6 * 51, 51, 384, **mx) == "gather" and cpu(6 * 52, 52, 384, **mx) == "grouped"
+    gpu = functools.partial(routed_path, backend="gpu")
+    assert gpu(6, 1, 16) == "gather" and gpu(18, 3, 16) == "dense" and gpu(6 * 129, 129, 16) == "grouped"
+    assert gpu(6 * 540, 540, 384, **mx) == "gather" and gpu(6 * 560, 560, 384, **mx) == "grouped"
+    assert routed_path(100, 100, 8, "gather") == "gather" and routed_path(1, 1, 384, "grouped") == "grouped"
+    assert routed_path(1, 1, 384, "dense") == "dense"
+    with pytest.raises(ValueError, match="got 'sparse'"):
+        routed_path(1, 1, 8, "sparse")
     x, picks, w = jnp.ones((2, DIM)), jnp.asarray([[1, 5, 9], [5, 2, 0]], jnp.int32), jnp.ones((2, 3))
     for n in (16, 256):
         graphdef, state = nnx.split(Experts(n, DIM, 32, param_dtype=jnp.float32, rngs=nnx.Rngs(0), native=native))
@@ -386,8 +405,9 @@ def test_grouped_matmul_tokamax_equals_xla_on_gpu(rng):
 @pytest.mark.gpu
 def test_gathered_experts_equal_the_grouped_matmul_on_gpu(rng):
     """On the device: MXFP4 experts under bf16 at a decode shape (4 tokens × 6 of 64 experts), the gathered
-    path against the grouped matmul (tokamax where installed), both through XLA:GPU's own fusions; bound
-    2^-7 of the largest output entry, for an activation that rounds to a neighbouring bf16 value."""
+    path (the fused form there) and the dense one against the grouped matmul (tokamax where installed), all
+    through XLA:GPU's own fusions; bound 2^-7 of the largest output entry, for an activation that rounds to a
+    neighbouring bf16 value."""
     from dsv41_jax.model.moe import Experts
 
     ex = Experts(64, 1024, 512, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(3), native=True)
@@ -395,7 +415,9 @@ def test_gathered_experts_equal_the_grouped_matmul_on_gpu(rng):
     picks = jnp.asarray(np.stack([rng.choice(64, 6, replace=False) for _ in range(4)]), jnp.int32)
     weights = jnp.asarray(rng.uniform(0.1, 0.5, (4, 6)), jnp.float32)
     fun = nnx.jit(lambda m, x, e, w, path: routed_experts(x, e, w, m, 10.0, path=path), static_argnums=4)
-    got, want = (np.asarray(fun(ex, x, picks, weights, p)) for p in ("gather", "grouped"))
+    want = np.asarray(fun(ex, x, picks, weights, "grouped"))
     scale = np.abs(want).max()
     assert scale > 0
-    assert np.abs(got - want).max() <= 2.0 ** -7 * scale
+    for path in ("gather", "dense"):
+        got = np.asarray(fun(ex, x, picks, weights, path))
+        assert np.abs(got - want).max() <= 2.0 ** -7 * scale, path

@@ -32,6 +32,7 @@ from dsv41_jax import cache as C
 from dsv41_jax import config as Cfg
 from dsv41_jax.engine.step import ChunkOptions, forward_chunk
 from dsv41_jax.engram_hash import engram_primes
+from pallas_kernels.benchutil import median_us_carry
 
 
 def bench_config() -> Cfg.ModelConfig:
@@ -219,8 +220,8 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None, loo
 
     ``loop`` > 0 times what the engine's generator runs instead (``Generator.decode_block``): ``loop`` steps in
     one compiled ``fori_loop`` with the cache donated, each step feeding its greedy token back (the Engram rows
-    stay fixed), reported per step: the median of 5 calls after a warm-up (a trace: 3 more calls, so
-    ``profile_split.py --steps 3·loop``)."""
+    stay fixed), reported per step: the median of 5 calls after a warm-up (``benchutil.median_us_carry``; a
+    trace: 3 more calls on a fresh cache, so ``profile_split.py --steps 3·loop``)."""
     from dsv41_jax.engine.sampling import SERVE_BATCH
     from dsv41_jax.model.moe import expert_parallel
     from dsv41_jax.sharding import named_shardings
@@ -242,14 +243,17 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None, loo
 
         return jax.lax.fori_loop(0, loop, body, (c, t))
 
-    spare = max(128, 9 * loop)  # rows past the context: 6 timed calls and 3 traced ones of `loop` steps
+    def fresh_cache(b, ctx):
+        cache = C.init_cache(cfg, b, ctx + max(128, 6 * loop))  # 6 calls of `loop` steps past the context
+        cache = cache._replace(lengths=jnp.full((b,), ctx, jnp.int32))  # cost depends on shapes, not values
+        if mesh is not None:
+            cache = jax.device_put(cache, named_shardings(mesh, C.cache_partition_specs(cache, mesh,
+                                                                               batch_axis=SERVE_BATCH)))
+        return cache
+
     for b in batches:
         for ctx in contexts:
-            cache = C.init_cache(cfg, b, ctx + spare)
-            cache = cache._replace(lengths=jnp.full((b,), ctx, jnp.int32))  # cost depends on shapes, not values
-            if mesh is not None:
-                cache = jax.device_put(cache, named_shardings(mesh, C.cache_partition_specs(cache, mesh,
-                                                                                   batch_axis=SERVE_BATCH)))
+            cache = fresh_cache(b, ctx)
             tokens = (jnp.arange(b, dtype=jnp.int32)[:, None] * 7919 + 1) % cfg.vocab_size  # rows route apart
             rows = jnp.stack([jnp.full((b, 1, cfg.engram.n_columns), r // 2, jnp.int32) for r in rows_per], 2)
             cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
@@ -261,21 +265,22 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None, loo
             compile_s = time.perf_counter() - t0
             analysis = step.cost_analysis()
             analysis = analysis if isinstance(analysis, dict) else analysis[0]
-            if loop:
-                carry, times = (cache, tokens), []
-                for _ in range(6):
-                    t0 = time.perf_counter()
-                    carry = jax.block_until_ready(step(state, *carry, rows))
-                    times.append(time.perf_counter() - t0)
-                sec = float(np.median(times[1:])) / loop
+            if loop:  # each call consumes the last one's cache
+                def blocks(carry, step=step, rows=rows):
+                    return step(state, *carry, rows)
+
+                sec = median_us_carry(blocks, (cache, tokens), iters=5, warmup=1) / 1e6 / loop
+                del cache
             else:
                 sec, _ = timeit(step, state, cache, tokens, rows)
             if profile is not None:
                 from profile_split import record
 
-                if loop:  # each traced call consumes the last one's cache
-                    def again(held=[carry], step=step, rows=rows):  # noqa: B006
-                        held[0] = step(state, *held[0], rows)
+                if loop:  # on a fresh cache: the timed calls consumed theirs
+                    held = [(fresh_cache(b, ctx), tokens)]
+
+                    def again(held=held, blocks=blocks):
+                        held[0] = blocks(held[0])
                         return held[0]
                 else:
                     again = functools.partial(step, state, cache, tokens, rows)
@@ -293,9 +298,8 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None, loo
                               "share_of_4.3TBps": floor["floor_ms"] / (sec * 1e3),
                               "needed_GB": {k: v / 1e9 for k, v in floor.items() if k not in ("total", "floor_ms")}}),
                   flush=True)
-            del cache
-            if loop:
-                del carry
+            if not loop:
+                del cache
 
 
 def prefill(graphdef, state, cfg, lengths, chunk=2048, reps=3, modes=("exact", "ced")):

@@ -3,12 +3,14 @@
     python benchmarks/moe_decode_bench.py [--layers 8] [--tokens 1,8,32,128] [--reps 20] [--shape engine|release]
 
 ``engine``: the engine-bench model's experts (dim 2048, 16 of 1024, K 6, bf16 weights); ``release``: the
-release's (dim 4096, 384 of 2048... as ``configs/v41_flash.yaml``, MXFP4 codes with E8M0 scales). The layers
+release's (``Cfg.v41_flash()``: dim 5120, 384 of 2304, K 6; MXFP4 codes with E8M0 scales). The layers
 are a ``lax.scan`` over ``--layers`` stacked copies, each its own weights (so that the picked experts are read
 from memory, not from L2), one token per sequence, each token picking K distinct experts. Per form: median µs
 per layer of a jitted call (the call's launch spread over the layers), the bytes the form needs (the picked
 experts' stored bytes for ``gather``; every expert's for ``dense`` and ``grouped``) and their share of the
-device's copy rate, and the largest difference from ``grouped`` relative to its largest entry.
+device's copy rate (``benchutil.COPY_BYTES_PER_S``, the H200's), and the largest difference of the first layer's
+output from ``grouped``'s, relative to its largest entry (later layers feed their rounded outputs on, so they
+drift apart by more than one layer's rounding).
 
 Forms: ``grouped`` (token copies sorted by expert, ``moe.grouped_matmul`` over all experts; on XLA:GPU
 ``lax.ragged_dot`` with a transposed copy of each weight), ``gather`` (``take`` of the picked experts then
@@ -59,7 +61,7 @@ def form(name: str, limit: float):
     def run(x, e, w, stacked):
         def body(x, stored):
             y = layer(x, e, w, stored)
-            return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(x.dtype), y[0, :8]
+            return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(x.dtype), y
         return jax.lax.scan(body, x, stacked)
 
     return jax.jit(run)
@@ -93,7 +95,7 @@ def main() -> None:
         for name in args.forms.split(","):
             fn = form(name, m.swiglu_limit)
             _, out = fn(x, e, w, stacked)
-            out = np.asarray(out, np.float32)
+            out = np.asarray(out[0], np.float32)  # the first layer's output
             base = out if base is None else base
             us = median_us(fn, x, e, w, stacked, iters=args.reps) / args.layers
             needed = (t * k if name.startswith("gather") else n) * per_expert

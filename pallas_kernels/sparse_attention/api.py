@@ -126,8 +126,10 @@ def _query_grads(q, main, extra, idx, lse, g, scale):
     delta = (p * dp).sum(-1)  # [B, S, N]
     ds = (p * (dp - delta[..., None]) * scale).astype(dt)
     dq = jnp.einsum("bsnl,bslh->bsnh", ds, keys, preferred_element_type=jnp.float32)
-    dkeys = (jnp.einsum("bsnl,bsnh->bslh", ds, q, preferred_element_type=jnp.float32)
-             + jnp.einsum("bsnl,bsnh->bslh", p.astype(dt), g, preferred_element_type=jnp.float32))
+    # K = V: a key row's gradient is dSᵀ·Q + Pᵀ·dO, one product over the heads of both ([dS | P] · [Q | dO]):
+    # two products and an fp32 add of [B, S, L, H] each way would write and re-read that sum three times
+    dkeys = jnp.einsum("bsnl,bsnh->bslh", jnp.concatenate([ds, p.astype(dt)], axis=2),
+                       jnp.concatenate([q, g], axis=2), preferred_element_type=jnp.float32)
     return dq, dkeys, delta
 
 

@@ -151,16 +151,19 @@ def test_teacher_forced_decode_matches_reference(env):
 
 
 @CPU_EXACT
-def test_decode_reading_only_the_picked_experts_equals_the_grouped_matmul(env):
+@pytest.mark.parametrize("path", ["gather", "dense"])
+def test_decode_reading_only_the_picked_experts_equals_the_grouped_matmul(env, path):
     """The golden decode protocol at batch 2, where ``auto`` runs the grouped matmul over all 8 experts (4
-    token copies), against the routed experts forced through the gathered path (``moe.routed_path: gather``):
-    the same selections, and logits equal to fp32 summation order (relative L2 per row, measured: median
-    3.5e-7, largest 4.3e-7; bound 2e-6, and 1e-3 for a row after a QDQ rounding flip, as above); the gathered
-    run is also within the reference's bound. The same protocol in bf16 (measured once, not run here: two
-    more compilations) gave identical logits on both paths."""
+    token copies) on CPU, against the routed experts forced through the gathered path (``moe.routed_path:
+    gather``, GPU's choice at batch 1) and the dense path (every expert on every token against the stored
+    layout, GPU's choice for a decode batch): the same selections, and logits equal to fp32 summation order
+    (relative L2 per row, measured: median 3.4e-7 gather and 3.3e-7 dense, largest 1.8e-5 both; bound 2e-6,
+    and 1e-3 for a row after a QDQ rounding flip, as above); each run is also within the reference's bound. The gathered
+    protocol in bf16 (measured once, not run here: two more compilations) gave identical logits on both
+    paths."""
     cfg = env["model"].cfg
     assert routed_path(2 * cfg.moe.n_activated_experts, 2, cfg.moe.n_routed_experts) == "grouped"  # on CPU
-    graphdef = nnx.graphdef(abstract_model(cfg.replace(moe=dataclasses.replace(cfg.moe, routed_path="gather"))))
+    graphdef = nnx.graphdef(abstract_model(cfg.replace(moe=dataclasses.replace(cfg.moe, routed_path=path))))
 
     @jax.jit
     def decode(cache, tokens, rows):

@@ -1,0 +1,193 @@
+"""Alternative XLA forms of a decode step's small per-layer ops, timed against the model's own.
+
+    PYTHONPATH=. python benchmarks/decode_forms.py [--batches 1,32] [--entries 4096,65536] [--chain 16]
+
+Each case runs ``--chain`` copies of the op back to back inside one jitted program (each copy's input
+depends on the previous copy's output, so nothing is shared or reordered), as the 40 layers of a decode step
+do, and reports µs per copy (median of 20 calls / chain): a single call's launch would otherwise swamp ops
+of a few µs. The forms:
+
+* ``index``: the index score ``Σ_h w_h·ReLU(q_h·k_t)`` over every entry (a KV source's full scan at decode):
+  ``model`` = :func:`dsv41_jax.model.indexer.index_scores` (the head sum a matmul), ``reduce`` = the head sum
+  as a multiply and a reduction (ReLU and the weights fused into it).
+* ``mhc``: one mHC site at decode (coefficients with the unrolled Sinkhorn, collapse, RMS norm and expand
+  of a sublayer's output): ``model`` = :mod:`dsv41_jax.model.mhc`, ``elementwise`` = collapse and expand
+  as sums over the M streams written out (no [M, M] matmul).
+* ``attention``: the sparse MQA core of a decode step (one query row, its SWA ring of W keys, its own key
+  and 512 picked entries gathered from the compressed keys, the sink): ``model`` =
+  :func:`dsv41_jax.model.sparse.sparse_attention` (one softmax over three key parts), ``one-list`` = the three
+  parts concatenated into one key list per query, one logits product, one masked softmax, one P·V.
+
+One JSON line per case with the largest difference from ``model`` relative to its largest entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax import config as Cfg
+from dsv41_jax.model import indexer, mhc, sparse
+from pallas_kernels.benchutil import median_us
+
+
+def index_forms():
+    def reduce(iq, w, keys):
+        dots = jnp.einsum("bsni,bti->bsnt", iq, keys, preferred_element_type=jnp.float32)
+        return jnp.sum(w[..., None] * jax.nn.relu(dots), axis=-2)
+
+    return {"model": indexer.index_scores, "reduce": reduce}
+
+
+def mhc_site(cfg, expand_form: str):
+    m = cfg.mhc.hc_mult
+
+    def collapse(x, pre):
+        if expand_form == "model":
+            return mhc.collapse(x, pre)
+        xf = x.astype(jnp.float32)
+        return sum(pre[..., c, None] * xf[..., c, :] for c in range(m)).astype(x.dtype)
+
+    def expand(f, r, post, comb):
+        if expand_form == "model":
+            return mhc.expand(f, r, post, comb)
+        rf, ff = r.astype(jnp.float32), f.astype(jnp.float32)
+        out = [post[..., j, None] * ff + sum(comb[..., i, j, None] * rf[..., i, :] for i in range(m))
+               for j in range(m)]
+        return jnp.stack(out, axis=-2).astype(r.dtype)
+
+    def site(x, pre, fn, base, scale, norm_w):
+        p_, post, comb = mhc.hc_mixes(x, fn, base, scale, cfg.mhc, cfg.norm_eps)
+        u = collapse(x, pre).astype(jnp.float32)
+        u = (u * jax.lax.rsqrt(jnp.mean(u * u, -1, keepdims=True) + cfg.norm_eps) * norm_w).astype(x.dtype)
+        return expand(u, x, post, comb), p_
+
+    return site
+
+
+def attention_forms(window: int):
+    def model(q, kv, sink, ring, ring_pos, compressed, topk, start):
+        return sparse.sparse_attention(q, kv, sink, window, compressed, topk, start=start, prefix_kv=ring,
+                                       prefix_pos=ring_pos)
+
+    def one_list(q, kv, sink, ring, ring_pos, compressed, topk, start):
+        h = q.shape[-1]
+        picked = sparse.gather_entries(compressed, jnp.maximum(topk, 0))  # [B, 1, K, H]
+        keys = jnp.concatenate([jnp.broadcast_to(ring[:, None], (*ring.shape[:1], 1, *ring.shape[1:])),
+                                kv[:, :, None], picked], axis=2)  # [B, 1, W + 1 + K, H]
+        ok_ring = (ring_pos >= 0) & (ring_pos > start[:, None] - window)
+        ok = jnp.concatenate([ok_ring[:, None], jnp.ones(kv.shape[:2] + (1,), bool), topk >= 0], axis=-1)
+        logits = jnp.einsum("bsnh,bslh->bsnl", q, keys, preferred_element_type=jnp.float32) * h ** -0.5
+        logits = jnp.where(ok[:, :, None, :], logits, -jnp.inf)
+        mx = jnp.maximum(logits.max(-1, keepdims=True), sink[:, None])
+        p = jnp.exp(logits - mx)
+        den = p.sum(-1) + jnp.exp(sink - mx[..., 0])
+        out = jnp.einsum("bsnl,bslh->bsnh", p.astype(q.dtype), keys, preferred_element_type=jnp.float32)
+        return (out / den[..., None]).astype(q.dtype)
+
+    return {"model": model, "one-list": one_list}
+
+
+def chained(op, n: int):
+    """``n`` copies of ``op(carry, fixed, *args_i)`` in one program; ``fixed`` is every copy's, the other
+    arguments are stacked on a leading axis (arguments, not constants: large arrays stay out of the program)."""
+    def run(carry, fixed, *stacked):
+        outs = []
+        for i in range(n):
+            carry, out = op(carry, fixed, *(a[i] for a in stacked))
+            outs.append(out)
+        return carry, outs[-1]
+    return jax.jit(run)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--entries", default="4096,65536")
+    p.add_argument("--chain", type=int, default=16)
+    p.add_argument("--cases", default="index,mhc,attention")
+    args = p.parse_args()
+    cfg = Cfg.v41_flash()
+    a, n = cfg.attention, args.chain
+    print(json.dumps({"device": str(jax.devices()[0]), "jax": jax.__version__, "chain": n}), flush=True)
+    rng = np.random.default_rng(0)
+    cases = args.cases.split(",")
+    for b in (int(v) for v in args.batches.split(",")):
+        if "index" in cases:
+            for t in (int(v) for v in args.entries.split(",")):
+                iq = jnp.asarray(rng.normal(0, 1, (n, b, 1, a.index_n_heads, a.index_head_dim)), jnp.bfloat16)
+                w = jnp.asarray(rng.normal(0, 0.1, (n, b, 1, a.index_n_heads)), jnp.float32)
+                keys = jnp.asarray(rng.normal(0, 1, (b, t, a.index_head_dim)), jnp.bfloat16)
+                base = None
+                for name, form in index_forms().items():
+                    def op(k, _, q, w_, form=form):
+                        s = form(q, w_, k)  # the next copy's keys depend on this copy's scores
+                        return k + (s[:, 0, :, None] * 0).astype(k.dtype), s
+                    fn = chained(op, n)
+                    out = np.asarray(fn(keys, (), iq, w)[1])
+                    base = out if base is None else base
+                    us = median_us(fn, keys, (), iq, w) / n
+                    need = b * t * a.index_head_dim * 2 + b * t * 4
+                    print(json.dumps({"case": "index", "form": name, "batch": b, "entries": t,
+                                      "us_per_copy": round(us, 1), "keys_and_scores_MB": round(need / 1e6, 2),
+                                      "max_rel_diff": float(np.abs(out - base).max() / np.abs(base).max())}),
+                          flush=True)
+        if "mhc" in cases:
+            m, d = cfg.mhc.hc_mult, 2048
+            x = jnp.asarray(rng.normal(0, 1, (b, 1, m, d)), jnp.bfloat16)
+            pre = jnp.full((b, 1, m), 1.0 / m, jnp.float32)
+            fn_w = jnp.asarray(rng.normal(0, 0.02, (n, (2 + m) * m, m * d)), jnp.float32)
+            base_w = jnp.zeros((n, (2 + m) * m), jnp.float32)
+            scale = jnp.ones((n, 3), jnp.float32)
+            norm_w = jnp.ones((n, d), jnp.float32)
+            base = None
+            for name in ("model", "elementwise"):
+                site = mhc_site(cfg, name)
+
+                def op(carry, _, f_, b_, s_, nw, site=site):
+                    x_, pre_ = carry
+                    x_, pre_ = site(x_, pre_, f_, b_, s_, nw)
+                    return (x_, pre_), x_
+
+                fn = chained(op, n)
+                out = np.asarray(fn((x, pre), (), fn_w, base_w, scale, norm_w)[1], np.float32)
+                base = out if base is None else base
+                us = median_us(fn, (x, pre), (), fn_w, base_w, scale, norm_w) / n
+                print(json.dumps({"case": "mhc", "form": name, "batch": b, "us_per_site": round(us, 1),
+                                  "max_rel_diff": float(np.abs(out - base).max() / np.abs(base).max())}),
+                      flush=True)
+        if "attention" in cases:
+            w_, h, heads, k = a.window_size, a.head_dim, a.n_heads, a.index_topk
+            for t in (int(v) for v in args.entries.split(",")):
+                start = jnp.full((b,), 4 * t, jnp.int32)  # ratio-4-like: the entries end before the query
+                q = jnp.asarray(rng.normal(0, 1, (n, b, 1, heads, h)), jnp.bfloat16)
+                kv = jnp.asarray(rng.normal(0, 1, (b, 1, h)), jnp.bfloat16)
+                ring = jnp.asarray(rng.normal(0, 1, (b, w_, h)), jnp.bfloat16)
+                ring_pos = jnp.broadcast_to(4 * t - w_ + jnp.arange(w_), (b, w_)).astype(jnp.int32)
+                compressed = jnp.asarray(rng.normal(0, 1, (b, t, h)), jnp.bfloat16)
+                topk = jnp.asarray(np.sort(np.stack([rng.choice(t, (n, 1, min(k, t)), replace=True)
+                                                     for _ in range(b)], 1), -1), jnp.int32)
+                sink = jnp.asarray(rng.normal(0, 1, (heads,)), jnp.float32)
+                base = None
+                for name, form in attention_forms(w_).items():
+                    def op(kv_, fixed, q_, tk, form=form):
+                        sink_, ring_, ring_pos_, compressed_, start_ = fixed
+                        o = form(q_, kv_, sink_, ring_, ring_pos_, compressed_, tk, start_)
+                        return kv_ + (o[:, :, :1, :] * 0).reshape(kv_.shape).astype(kv_.dtype), o
+                    fn = chained(op, n)
+                    fixed = (sink, ring, ring_pos, compressed, start)
+                    out = np.asarray(fn(kv, fixed, q, topk)[1], np.float32)
+                    base = out if base is None else base
+                    us = median_us(fn, kv, fixed, q, topk) / n
+                    print(json.dumps({"case": "attention", "form": name, "batch": b, "entries": t,
+                                      "us_per_copy": round(us, 1),
+                                      "max_rel_diff": float(np.abs(out - base).max() / np.abs(base).max())}),
+                          flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -54,6 +54,17 @@ def hc_params(cfg: MHCConfig, dim: int, rngs: nnx.Rngs) -> tuple[nnx.Param, nnx.
             param("hc_vector", jnp.ones((3,), jnp.float32)))
 
 
+# Up to this many rows (B·S: a decode step, a short chunk) collapse and expand are written out as sums over
+# the M streams, so that XLA fuses each into one elementwise kernel; as products, XLA:GPU ran expand as a
+# GEMM kernel plus an add (one decode site on an H100, benchmarks/decode_forms.py: 27.2 -> 17.4 µs at batch
+# 1, 27.8 -> 22.3 µs at batch 32). Longer chunks and training keep the products (their backward as matmuls).
+WRITTEN_OUT_ROWS = 1024
+
+
+def _written_out(x: jax.Array) -> bool:
+    return math.prod(x.shape[:-2]) <= WRITTEN_OUT_ROWS
+
+
 def hc_mixes(x: Float[Array, "B S M D"], fn: ArrayLike, base: ArrayLike, scale: ArrayLike, cfg: MHCConfig,
              norm_eps: float):
     """Returns ``(pre [B,S,M], post [B,S,M], comb [B,S,M,M])`` in fp32 (spec model §4.2)."""
@@ -66,17 +77,6 @@ def hc_mixes(x: Float[Array, "B S M D"], fn: ArrayLike, base: ArrayLike, scale: 
     comb = (mix[..., 2 * m:] * scale[2] + base[2 * m:]).reshape(*mix.shape[:-1], m, m)
     unroll = jax.default_backend() == "gpu" and math.prod(comb.shape[:-2]) <= cfg.sinkhorn_unroll_rows
     return pre, post, sinkhorn(comb, cfg.hc_sinkhorn_iters, eps, unroll=unroll)
-
-
-# Up to this many rows (B·S: a decode step, a short chunk) collapse and expand are written out as sums over
-# the M streams, so that XLA fuses each into one elementwise kernel; as products, XLA:GPU ran expand as a
-# GEMM kernel plus an add (one decode site on an H100, benchmarks/decode_forms.py: 27.2 -> 17.4 µs at batch
-# 1, 27.8 -> 22.3 µs at batch 32). Longer chunks and training keep the products (their backward as matmuls).
-WRITTEN_OUT_ROWS = 1024
-
-
-def _written_out(x: jax.Array) -> bool:
-    return math.prod(x.shape[:-2]) <= WRITTEN_OUT_ROWS
 
 
 def collapse(x: Float[Array, "B S M D"], pre: Float[Array, "B S M"]) -> Float[Array, "B S D"]:

@@ -150,6 +150,14 @@ def test_sinkhorn_columns_always_normalised(rng, magnitude):
 # hc_mixes, collapse, expand
 
 
+@pytest.fixture(params=["written out", "products"])
+def form(request, monkeypatch):
+    """collapse and expand in both forms: sums written out over the streams (few rows) and products."""
+    if request.param == "products":
+        monkeypatch.setattr(mhc, "WRITTEN_OUT_ROWS", 0)
+    return request.param
+
+
 def random_site(rng, n=4, d=48):
     fn = (rng.standard_normal(((2 + n) * n, n * d)) / np.sqrt(n * d)).astype(np.float32)
     base = rng.standard_normal((2 + n) * n).astype(np.float32)
@@ -185,13 +193,6 @@ def test_hc_mixes_scale_invariance(rng):
     for u, v in zip(a, b, strict=True):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-7)
 
-
-@pytest.fixture(params=["written out", "products"])
-def form(request, monkeypatch):
-    """collapse and expand in both forms: sums written out over the streams (few rows) and products."""
-    if request.param == "products":
-        monkeypatch.setattr(mhc, "WRITTEN_OUT_ROWS", 0)
-    return request.param
 
 
 def test_collapse_equals_spec(rng, form):

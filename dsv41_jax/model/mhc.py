@@ -71,6 +71,8 @@ def hc_mixes(x: Float[Array, "B S M D"], fn: ArrayLike, base: ArrayLike, scale: 
     m, eps = cfg.hc_mult, cfg.hc_eps
     flat = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)  # [B, S, M·D], stream-major
     r = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    # a product, also where collapse and expand are written out: as a multiply and a sum over [B, S, 1, M·D] ×
+    # [Y, M·D], XLA:CPU (jax 0.10.2) fused it into a YNNPACK kernel that returned wrong sums for S ≥ 8
     mix = jnp.einsum("bsx,yx->bsy", flat, fn, precision="highest") * r
     pre = jax.nn.sigmoid(mix[..., :m] * scale[0] + base[:m]) + eps
     post = 2 * jax.nn.sigmoid(mix[..., m:2 * m] * scale[1] + base[m:2 * m])

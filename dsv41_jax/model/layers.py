@@ -80,32 +80,6 @@ def _low_precision_bwd(spec, res, g):
 _low_precision_einsum.defvjp(_low_precision_fwd, _low_precision_bwd)
 
 
-def fp32_head(x: Float[Array, "*B D"], w: ArrayLike, *, split: bool | None = None) -> Float[Array, "*B V"]:
-    """``x · wᵀ`` for fp32 ``x`` and a [V, D] weight, as the fp32 product the spec asks of the output head.
-
-    With a bf16 weight on GPU (``split`` None: decided by the backend), ``x`` is split into three bf16 terms
-    (``x = x₁ + x₂ + x₃`` to 24 bits, each the rounding of what the previous left, by ``reduce_precision``:
-    a bf16 cast round trip inside one program may be removed by XLA:GPU) and the three products run as one
-    bf16 matmul of three times the rows, fp32 accumulation: each bf16 × bf16 product is exact in fp32, so the
-    result is the fp32 product to summation order, and the weight is read once. As an fp32 matmul at
-    precision ``highest`` XLA:GPU ran it at 0.55 TB/s at 32 rows (the engine-bench head, an H100: 0.95 ms a
-    decode step, BENCHMARKS.md). Elsewhere, or with an fp32 weight, the plain fp32 product.
-    """
-    w = jnp.asarray(w)
-    x = x.astype(jnp.float32)
-    if split is None:
-        split = jax.default_backend() == "gpu"
-    if not split or w.dtype != jnp.bfloat16:
-        return jnp.einsum("...d,vd->...v", x, w.astype(jnp.float32), precision="highest")
-    terms, rest = [], x
-    for _ in range(3):
-        t = jax.lax.reduce_precision(rest, exponent_bits=8, mantissa_bits=7)
-        terms.append(t.astype(jnp.bfloat16))
-        rest = rest - t
-    y = jnp.einsum("t...d,vd->t...v", jnp.stack(terms), w, preferred_element_type=jnp.float32)
-    return y[2] + y[1] + y[0]  # smallest first
-
-
 class Linear(nnx.Module):
     """``y = x · Wᵀ`` with ``W`` stored [out, in] like the checkpoint; computed in ``dtype``.
 

@@ -159,14 +159,14 @@ def test_decode_forms_alternatives_compute_the_models_ops():
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
 
     iq, w, keys = f32(2, 1, 4, 8), f32(2, 1, 4), f32(2, 40, 8)
-    model, alt = forms.index_forms().values()
+    model, alt = (jax.jit(f) for f in forms.index_forms().values())
     np.testing.assert_allclose(np.asarray(alt(iq, w, keys)), np.asarray(model(iq, w, keys)), rtol=1e-5, atol=1e-5)
 
     cfg = Cfg.v41_flash()
     m, d = cfg.mhc.hc_mult, 16
     args = (f32(3, 1, m, d), jnp.full((3, 1, m), 0.3, jnp.float32), f32((2 + m) * m, m * d) * 0.1,
             f32((2 + m) * m), jnp.ones((3,), jnp.float32), jnp.ones((d,), jnp.float32))
-    (xm, pm), (xa, pa) = (forms.mhc_site(cfg, name)(*args) for name in ("model", "elementwise"))
+    (xm, pm), (xa, pa) = (jax.jit(forms.mhc_site(cfg, name))(*args) for name in ("model", "elementwise"))
     np.testing.assert_allclose(np.asarray(xa), np.asarray(xm), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(pa), np.asarray(pm))
 
@@ -175,5 +175,5 @@ def test_decode_forms_alternatives_compute_the_models_ops():
     ring_pos = jnp.array([[-1, -1, 13, 14, 15, 16, 17, 19], [18, 19, 20, 21, 22, 23, 24, 12]], jnp.int32)
     topk = jnp.asarray(np.sort(rng.choice(t, (b, 1, k)), -1), jnp.int32).at[1, 0, -2:].set(-1)
     a = (f32(b, 1, 4, 16), f32(b, 1, 16), f32(4), f32(b, window, 16), ring_pos, f32(b, t, 16), topk, start)
-    model, alt = forms.attention_forms(window).values()
+    model, alt = (jax.jit(f) for f in forms.attention_forms(window).values())
     np.testing.assert_allclose(np.asarray(alt(*a)), np.asarray(model(*a)), rtol=1e-5, atol=1e-5)

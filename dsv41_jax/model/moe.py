@@ -262,7 +262,10 @@ def routed_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: 
 
 def _fuses() -> bool:
     """Whether the gathered experts take the fused form: on GPU, where XLA fuses the gather into the reductions
-    (H100, 16 experts of 1024 × 2048, one token: 90 against 173 µs a layer, BENCHMARKS.md)."""
+    (H100, 16 experts of 1024 × 2048, one token: 90 against 173 µs a layer, BENCHMARKS.md). Not on CPU, where
+    it would not pay, and where XLA:CPU (jax 0.10.2) turns these reductions into YNNPACK fusions that returned
+    wrong sums at the engine-bench shape (1.5e-3 of the largest output against the take + einsum form, 2.6e-7
+    with ``--xla_cpu_experimental_ynn_fusion_type=``)."""
     return jax.default_backend() == "gpu"
 
 

@@ -18,7 +18,8 @@ of a few µs. The forms:
   :func:`dsv41_jax.model.sparse.sparse_attention` (one softmax over three key parts), ``one-list`` = the three
   parts concatenated into one key list per query, one logits product, one masked softmax, one P·V.
 
-One JSON line per case with the largest difference from ``model`` relative to its largest entry.
+One JSON line per case and form (``us_per_copy``; a site for ``mhc``) with the largest difference from
+``model`` relative to its largest entry.
 """
 
 from __future__ import annotations
@@ -104,6 +105,78 @@ def chained(op, n: int):
     return jax.jit(run)
 
 
+def time_forms(case: str, ops: dict, carry, fixed, *stacked, **fields) -> None:
+    """One JSON line per form: µs a copy of ``chained(op)`` and its output's largest difference from the first
+    form's (``model``), relative to that output's largest entry."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    base = None
+    for name, op in ops.items():
+        fn = chained(op, n)
+        out = np.asarray(fn(carry, fixed, *stacked)[1], np.float32)
+        base = out if base is None else base
+        us = median_us(fn, carry, fixed, *stacked) / n
+        print(json.dumps({"case": case, "form": name, **fields, "us_per_copy": round(us, 1),
+                          "max_rel_diff": float(np.abs(out - base).max() / np.abs(base).max())}), flush=True)
+
+
+def bench_index(cfg, rng, n: int, b: int, t: int) -> None:
+    a = cfg.attention
+    iq = jnp.asarray(rng.normal(0, 1, (n, b, 1, a.index_n_heads, a.index_head_dim)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(0, 0.1, (n, b, 1, a.index_n_heads)), jnp.float32)
+    keys = jnp.asarray(rng.normal(0, 1, (b, t, a.index_head_dim)), jnp.bfloat16)
+
+    def op_of(form):
+        def op(k, _, q, w_):
+            s = form(q, w_, k)  # the next copy's keys depend on this copy's scores
+            return k + (s[:, 0, :, None] * 0).astype(k.dtype), s
+        return op
+
+    need = b * t * a.index_head_dim * 2 + b * t * 4
+    time_forms("index", {name: op_of(f) for name, f in index_forms().items()}, keys, (), iq, w, batch=b,
+               entries=t, keys_and_scores_MB=round(need / 1e6, 2))
+
+
+def bench_mhc(cfg, rng, n: int, b: int, d: int = 2048) -> None:
+    m = cfg.mhc.hc_mult
+    x = jnp.asarray(rng.normal(0, 1, (b, 1, m, d)), jnp.bfloat16)
+    pre = jnp.full((b, 1, m), 1.0 / m, jnp.float32)
+    stacked = (jnp.asarray(rng.normal(0, 0.02, (n, (2 + m) * m, m * d)), jnp.float32),
+               jnp.zeros((n, (2 + m) * m), jnp.float32), jnp.ones((n, 3), jnp.float32), jnp.ones((n, d), jnp.float32))
+
+    def op_of(site):
+        def op(carry, _, *weights):
+            x_, pre_ = site(*carry, *weights)
+            return (x_, pre_), x_
+        return op
+
+    time_forms("mhc", {name: op_of(mhc_site(cfg, name)) for name in ("model", "elementwise")}, (x, pre), (),
+               *stacked, batch=b)
+
+
+def bench_attention(cfg, rng, n: int, b: int, t: int) -> None:
+    a = cfg.attention
+    w_, h, heads, k = a.window_size, a.head_dim, a.n_heads, a.index_topk
+    start = jnp.full((b,), 4 * t, jnp.int32)  # ratio-4-like: the entries end before the query
+    q = jnp.asarray(rng.normal(0, 1, (n, b, 1, heads, h)), jnp.bfloat16)
+    kv = jnp.asarray(rng.normal(0, 1, (b, 1, h)), jnp.bfloat16)
+    ring = jnp.asarray(rng.normal(0, 1, (b, w_, h)), jnp.bfloat16)
+    ring_pos = jnp.broadcast_to(4 * t - w_ + jnp.arange(w_), (b, w_)).astype(jnp.int32)
+    compressed = jnp.asarray(rng.normal(0, 1, (b, t, h)), jnp.bfloat16)
+    topk = jnp.asarray(np.sort(np.stack([rng.choice(t, (n, 1, min(k, t)), replace=True) for _ in range(b)], 1), -1),
+                       jnp.int32)
+    sink = jnp.asarray(rng.normal(0, 1, (heads,)), jnp.float32)
+
+    def op_of(form):
+        def op(kv_, fixed, q_, tk):
+            sink_, ring_, ring_pos_, compressed_, start_ = fixed
+            o = form(q_, kv_, sink_, ring_, ring_pos_, compressed_, tk, start_)
+            return kv_ + (o[:, :, :1, :] * 0).reshape(kv_.shape).astype(kv_.dtype), o
+        return op
+
+    time_forms("attention", {name: op_of(f) for name, f in attention_forms(w_).items()}, kv,
+               (sink, ring, ring_pos, compressed, start), q, topk, batch=b, entries=t)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,32")
@@ -111,82 +184,18 @@ def main() -> None:
     p.add_argument("--chain", type=int, default=16)
     p.add_argument("--cases", default="index,mhc,attention")
     args = p.parse_args()
-    cfg = Cfg.v41_flash()
-    a, n = cfg.attention, args.chain
+    cfg, n = Cfg.v41_flash(), args.chain
     print(json.dumps({"device": str(jax.devices()[0]), "jax": jax.__version__, "chain": n}), flush=True)
     rng = np.random.default_rng(0)
     cases = args.cases.split(",")
+    entries = [int(v) for v in args.entries.split(",")]
     for b in (int(v) for v in args.batches.split(",")):
-        if "index" in cases:
-            for t in (int(v) for v in args.entries.split(",")):
-                iq = jnp.asarray(rng.normal(0, 1, (n, b, 1, a.index_n_heads, a.index_head_dim)), jnp.bfloat16)
-                w = jnp.asarray(rng.normal(0, 0.1, (n, b, 1, a.index_n_heads)), jnp.float32)
-                keys = jnp.asarray(rng.normal(0, 1, (b, t, a.index_head_dim)), jnp.bfloat16)
-                base = None
-                for name, form in index_forms().items():
-                    def op(k, _, q, w_, form=form):
-                        s = form(q, w_, k)  # the next copy's keys depend on this copy's scores
-                        return k + (s[:, 0, :, None] * 0).astype(k.dtype), s
-                    fn = chained(op, n)
-                    out = np.asarray(fn(keys, (), iq, w)[1])
-                    base = out if base is None else base
-                    us = median_us(fn, keys, (), iq, w) / n
-                    need = b * t * a.index_head_dim * 2 + b * t * 4
-                    print(json.dumps({"case": "index", "form": name, "batch": b, "entries": t,
-                                      "us_per_copy": round(us, 1), "keys_and_scores_MB": round(need / 1e6, 2),
-                                      "max_rel_diff": float(np.abs(out - base).max() / np.abs(base).max())}),
-                          flush=True)
+        for t in entries if "index" in cases else ():
+            bench_index(cfg, rng, n, b, t)
         if "mhc" in cases:
-            m, d = cfg.mhc.hc_mult, 2048
-            x = jnp.asarray(rng.normal(0, 1, (b, 1, m, d)), jnp.bfloat16)
-            pre = jnp.full((b, 1, m), 1.0 / m, jnp.float32)
-            fn_w = jnp.asarray(rng.normal(0, 0.02, (n, (2 + m) * m, m * d)), jnp.float32)
-            base_w = jnp.zeros((n, (2 + m) * m), jnp.float32)
-            scale = jnp.ones((n, 3), jnp.float32)
-            norm_w = jnp.ones((n, d), jnp.float32)
-            base = None
-            for name in ("model", "elementwise"):
-                site = mhc_site(cfg, name)
-
-                def op(carry, _, f_, b_, s_, nw, site=site):
-                    x_, pre_ = carry
-                    x_, pre_ = site(x_, pre_, f_, b_, s_, nw)
-                    return (x_, pre_), x_
-
-                fn = chained(op, n)
-                out = np.asarray(fn((x, pre), (), fn_w, base_w, scale, norm_w)[1], np.float32)
-                base = out if base is None else base
-                us = median_us(fn, (x, pre), (), fn_w, base_w, scale, norm_w) / n
-                print(json.dumps({"case": "mhc", "form": name, "batch": b, "us_per_site": round(us, 1),
-                                  "max_rel_diff": float(np.abs(out - base).max() / np.abs(base).max())}),
-                      flush=True)
-        if "attention" in cases:
-            w_, h, heads, k = a.window_size, a.head_dim, a.n_heads, a.index_topk
-            for t in (int(v) for v in args.entries.split(",")):
-                start = jnp.full((b,), 4 * t, jnp.int32)  # ratio-4-like: the entries end before the query
-                q = jnp.asarray(rng.normal(0, 1, (n, b, 1, heads, h)), jnp.bfloat16)
-                kv = jnp.asarray(rng.normal(0, 1, (b, 1, h)), jnp.bfloat16)
-                ring = jnp.asarray(rng.normal(0, 1, (b, w_, h)), jnp.bfloat16)
-                ring_pos = jnp.broadcast_to(4 * t - w_ + jnp.arange(w_), (b, w_)).astype(jnp.int32)
-                compressed = jnp.asarray(rng.normal(0, 1, (b, t, h)), jnp.bfloat16)
-                topk = jnp.asarray(np.sort(np.stack([rng.choice(t, (n, 1, min(k, t)), replace=True)
-                                                     for _ in range(b)], 1), -1), jnp.int32)
-                sink = jnp.asarray(rng.normal(0, 1, (heads,)), jnp.float32)
-                base = None
-                for name, form in attention_forms(w_).items():
-                    def op(kv_, fixed, q_, tk, form=form):
-                        sink_, ring_, ring_pos_, compressed_, start_ = fixed
-                        o = form(q_, kv_, sink_, ring_, ring_pos_, compressed_, tk, start_)
-                        return kv_ + (o[:, :, :1, :] * 0).reshape(kv_.shape).astype(kv_.dtype), o
-                    fn = chained(op, n)
-                    fixed = (sink, ring, ring_pos, compressed, start)
-                    out = np.asarray(fn(kv, fixed, q, topk)[1], np.float32)
-                    base = out if base is None else base
-                    us = median_us(fn, kv, fixed, q, topk) / n
-                    print(json.dumps({"case": "attention", "form": name, "batch": b, "entries": t,
-                                      "us_per_copy": round(us, 1),
-                                      "max_rel_diff": float(np.abs(out - base).max() / np.abs(base).max())}),
-                          flush=True)
+            bench_mhc(cfg, rng, n, b)
+        for t in entries if "attention" in cases else ():
+            bench_attention(cfg, rng, n, b, t)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ of a few µs. The forms:
   ``model`` = :func:`dsv41_jax.model.indexer.index_scores` (the head sum a matmul), ``reduce`` = the head sum
   as a multiply and a reduction (ReLU and the weights fused into it).
 * ``mhc``: one mHC site at decode (coefficients with the unrolled Sinkhorn, collapse, RMS norm and expand
-  of a sublayer's output): ``model`` = :mod:`dsv41_jax.model.mhc`, ``elementwise`` = collapse and expand
-  as sums over the M streams written out (no [M, M] matmul).
+  of a sublayer's output): ``model`` = :mod:`dsv41_jax.model.mhc` (on GPU collapse and expand written out as
+  sums over the M streams), ``products`` = collapse and expand as products (the CPU's and long chunks' form),
+  ``reduce-mix`` = the model with the coefficients' matvec as a multiply and a reduction.
 * ``attention``: the sparse MQA core of a decode step (one query row, its SWA ring of W keys, its own key
   and 512 picked entries gathered from the compressed keys, the sink): ``model`` =
   :func:`dsv41_jax.model.sparse.sparse_attention` (one softmax over three key parts), ``one-list`` = the three
@@ -44,25 +45,31 @@ def index_forms():
     return {"model": indexer.index_scores, "reduce": reduce}
 
 
-def mhc_site(cfg, expand_form: str):
-    m = cfg.mhc.hc_mult
+MHC_FORMS = ("model", "products", "reduce-mix")
 
+
+def mhc_site(cfg, form: str):
     def collapse(x, pre):
-        if expand_form == "model":
+        if form != "products":
             return mhc.collapse(x, pre)
-        xf = x.astype(jnp.float32)
-        return sum(pre[..., c, None] * xf[..., c, :] for c in range(m)).astype(x.dtype)
+        return jnp.einsum("bsm,bsmd->bsd", pre, x.astype(jnp.float32), precision="highest").astype(x.dtype)
 
     def expand(f, r, post, comb):
-        if expand_form == "model":
+        if form != "products":
             return mhc.expand(f, r, post, comb)
         rf, ff = r.astype(jnp.float32), f.astype(jnp.float32)
-        out = [post[..., j, None] * ff + sum(comb[..., i, j, None] * rf[..., i, :] for i in range(m))
-               for j in range(m)]
-        return jnp.stack(out, axis=-2).astype(r.dtype)
+        out = post[..., None] * ff[:, :, None, :] + jnp.einsum("bsmM,bsmd->bsMd", comb, rf, precision="highest")
+        return out.astype(r.dtype)
+
+    def mixes(x, fn, base, scale):
+        if form != "reduce-mix":
+            return mhc.hc_mixes(x, fn, base, scale, cfg.mhc, cfg.norm_eps)
+        flat = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
+        r = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + cfg.norm_eps)
+        return mhc.coefficients(jnp.sum(flat[..., None, :] * fn, -1) * r, base, scale, cfg.mhc)
 
     def site(x, pre, fn, base, scale, norm_w):
-        p_, post, comb = mhc.hc_mixes(x, fn, base, scale, cfg.mhc, cfg.norm_eps)
+        p_, post, comb = mixes(x, fn, base, scale)
         u = collapse(x, pre).astype(jnp.float32)
         u = (u * jax.lax.rsqrt(jnp.mean(u * u, -1, keepdims=True) + cfg.norm_eps) * norm_w).astype(x.dtype)
         return expand(u, x, post, comb), p_
@@ -149,7 +156,7 @@ def bench_mhc(cfg, rng, n: int, b: int, d: int = 2048) -> None:
             return (x_, pre_), x_
         return op
 
-    time_forms("mhc", {name: op_of(mhc_site(cfg, name)) for name in ("model", "elementwise")}, (x, pre), (),
+    time_forms("mhc", {name: op_of(mhc_site(cfg, name)) for name in MHC_FORMS}, (x, pre), (),
                *stacked, batch=b)
 
 

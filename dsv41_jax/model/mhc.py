@@ -71,12 +71,21 @@ def _written_out(x: jax.Array) -> bool:
 def hc_mixes(x: Float[Array, "B S M D"], fn: ArrayLike, base: ArrayLike, scale: ArrayLike, cfg: MHCConfig,
              norm_eps: float):
     """Returns ``(pre [B,S,M], post [B,S,M], comb [B,S,M,M])`` in fp32 (spec model §4.2)."""
-    m, eps = cfg.hc_mult, cfg.hc_eps
+    return coefficients(mix_logits(x, fn, norm_eps), base, scale, cfg)
+
+
+def mix_logits(x: Float[Array, "B S M D"], fn: ArrayLike, norm_eps: float) -> Float[Array, "B S Y"]:
+    """``RMS-normalised flat(X) · fnᵀ`` in fp32: the (2+M)·M raw mixes of a site."""
     flat = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)  # [B, S, M·D], stream-major
     r = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
     # a product, also where collapse and expand are written out: as a multiply and a sum over [B, S, 1, M·D] ×
     # [Y, M·D], XLA:CPU (jax 0.10.2) fused it into a YNNPACK kernel that returned wrong sums for S ≥ 8
-    mix = jnp.einsum("bsx,yx->bsy", flat, fn, precision="highest") * r
+    return jnp.einsum("bsx,yx->bsy", flat, fn, precision="highest") * r
+
+
+def coefficients(mix: Float[Array, "B S Y"], base: ArrayLike, scale: ArrayLike, cfg: MHCConfig):
+    """``(pre, post, comb)`` from a site's raw mixes: the sigmoids and the Sinkhorn of comb."""
+    m, eps = cfg.hc_mult, cfg.hc_eps
     pre = jax.nn.sigmoid(mix[..., :m] * scale[0] + base[:m]) + eps
     post = 2 * jax.nn.sigmoid(mix[..., m:2 * m] * scale[1] + base[m:2 * m])
     comb = (mix[..., 2 * m:] * scale[2] + base[2 * m:]).reshape(*mix.shape[:-1], m, m)

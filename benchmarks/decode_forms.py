@@ -13,7 +13,8 @@ of a few µs. The forms:
 * ``mhc``: one mHC site at decode (coefficients with the unrolled Sinkhorn, collapse, RMS norm and expand
   of a sublayer's output): ``model`` = :mod:`dsv41_jax.model.mhc` (on GPU collapse and expand written out as
   sums over the M streams), ``products`` = collapse and expand as products (the CPU's and long chunks' form),
-  ``reduce-mix`` = the model with the coefficients' matvec as a multiply and a reduction.
+  ``reduce-mix`` = the model with the coefficients' matvec as a multiply and a reduction, ``pallas`` = expand,
+  the matvec's partial sums and collapse in one kernel (:mod:`pallas_kernels.mhc_site`; GPU only).
 * ``attention``: the sparse MQA core of a decode step (one query row, its SWA ring of W keys, its own key
   and 512 picked entries gathered from the compressed keys, the sink): ``model`` =
   :func:`dsv41_jax.model.sparse.sparse_attention` (one softmax over three key parts), ``one-list`` = the three
@@ -45,10 +46,14 @@ def index_forms():
     return {"model": indexer.index_scores, "reduce": reduce}
 
 
-MHC_FORMS = ("model", "products", "reduce-mix")
+MHC_FORMS = ("model", "products", "reduce-mix", "pallas")
 
 
-def mhc_site(cfg, form: str):
+def mhc_site(cfg, form: str, interpret: bool = False):
+    """One site as the single-pass schedule runs it between two sublayers: ``X' = expand(F, X, post, comb)``,
+    the next coefficients from ``X'``, ``u = norm(collapse(X', pre))``. ``site(carry, fn, base, scale, norm_w)``
+    with ``carry = (X [B,1,M,D], pre, F [B,1,D], post, comb)`` returns ``(carry', X')``, ``F'`` being ``u``."""
+
     def collapse(x, pre):
         if form != "products":
             return mhc.collapse(x, pre)
@@ -68,11 +73,24 @@ def mhc_site(cfg, form: str):
         r = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + cfg.norm_eps)
         return mhc.coefficients(jnp.sum(flat[..., None, :] * fn, -1) * r, base, scale, cfg.mhc)
 
-    def site(x, pre, fn, base, scale, norm_w):
-        p_, post, comb = mixes(x, fn, base, scale)
-        u = collapse(x, pre).astype(jnp.float32)
-        u = (u * jax.lax.rsqrt(jnp.mean(u * u, -1, keepdims=True) + cfg.norm_eps) * norm_w).astype(x.dtype)
-        return expand(u, x, post, comb), p_
+    def norm(u, norm_w):
+        u = u.astype(jnp.float32)
+        return (u * jax.lax.rsqrt(jnp.mean(u * u, -1, keepdims=True) + cfg.norm_eps) * norm_w).astype(u.dtype)
+
+    def site(carry, fn, base, scale, norm_w):
+        x, pre, f, post, comb = carry
+        if form == "pallas":
+            from pallas_kernels.mhc_site import fused_site
+
+            x2, u, mix = fused_site(f[:, 0], x[:, 0], post[:, 0], comb[:, 0], pre[:, 0], fn, cfg.norm_eps,
+                                    interpret=interpret)
+            x2, u = x2[:, None], u[:, None]
+            p_, post_, comb_ = mhc.coefficients(mix[:, None], base, scale, cfg.mhc)
+        else:
+            x2 = expand(f, x, post, comb)
+            p_, post_, comb_ = mixes(x2, fn, base, scale)
+            u = collapse(x2, pre)
+        return (x2, p_, norm(u, norm_w).astype(x.dtype), post_, comb_), x2
 
     return site
 
@@ -143,20 +161,29 @@ def bench_index(cfg, rng, n: int, b: int, t: int) -> None:
                entries=t, keys_and_scores_MB=round(need / 1e6, 2))
 
 
-def bench_mhc(cfg, rng, n: int, b: int, d: int = 2048) -> None:
+def mhc_carry(cfg, rng, b: int, d: int):
+    """A site's carry ``(X, pre, F, post, comb)`` at batch ``b`` and width ``d``: random streams and output,
+    the coefficients of a fresh site (pre ½, post 1, comb a doubly stochastic matrix)."""
     m = cfg.mhc.hc_mult
     x = jnp.asarray(rng.normal(0, 1, (b, 1, m, d)), jnp.bfloat16)
-    pre = jnp.full((b, 1, m), 1.0 / m, jnp.float32)
+    f = jnp.asarray(rng.normal(0, 1, (b, 1, d)), jnp.bfloat16)
+    comb = mhc.sinkhorn(jnp.asarray(rng.normal(0, 1, (b, 1, m, m)), jnp.float32), cfg.mhc.hc_sinkhorn_iters,
+                        cfg.mhc.hc_eps)
+    return x, jnp.full((b, 1, m), 0.5, jnp.float32), f, jnp.ones((b, 1, m), jnp.float32), comb
+
+
+def bench_mhc(cfg, rng, n: int, b: int, d: int = 2048) -> None:
+    m = cfg.mhc.hc_mult
     stacked = (jnp.asarray(rng.normal(0, 0.02, (n, (2 + m) * m, m * d)), jnp.float32),
                jnp.zeros((n, (2 + m) * m), jnp.float32), jnp.ones((n, 3), jnp.float32), jnp.ones((n, d), jnp.float32))
 
     def op_of(site):
         def op(carry, _, *weights):
-            x_, pre_ = site(*carry, *weights)
-            return (x_, pre_), x_
+            return site(carry, *weights)
         return op
 
-    time_forms("mhc", {name: op_of(mhc_site(cfg, name)) for name in MHC_FORMS}, (x, pre), (),
+    forms = MHC_FORMS if jax.default_backend() == "gpu" else MHC_FORMS[:-1]  # the kernel is Triton's
+    time_forms("mhc", {name: op_of(mhc_site(cfg, name)) for name in forms}, mhc_carry(cfg, rng, b, d), (),
                *stacked, batch=b)
 
 

@@ -149,9 +149,10 @@ def test_profile_split_attributes_kernels_and_lists_the_largest():
 
 
 def test_decode_forms_alternatives_compute_the_models_ops():
-    """benchmarks/decode_forms.py: each alternative form (index head sum as a reduction, mHC as products and with
-    the matvec as a reduction, one key list for the decode attention) gives the model's result in fp32, on a
-    ragged top-k (−1 picks) and a ring with empty slots and keys past the window."""
+    """benchmarks/decode_forms.py: each alternative form gives the model's result: the index head sum as a
+    reduction and one key list for the decode attention in fp32, on a ragged top-k (−1 picks) and a ring with
+    empty slots and keys past the window; an mHC site as products, with the matvec as a reduction and as the
+    Pallas kernel (interpreted), on bf16 streams."""
     from dsv41_jax import config as Cfg
 
     forms = load_script("benchmarks/decode_forms.py")
@@ -163,13 +164,15 @@ def test_decode_forms_alternatives_compute_the_models_ops():
     np.testing.assert_allclose(np.asarray(alt(iq, w, keys)), np.asarray(model(iq, w, keys)), rtol=1e-5, atol=1e-5)
 
     cfg = Cfg.v41_flash()
-    m, d = cfg.mhc.hc_mult, 16
-    args = (f32(3, 1, m, d), jnp.full((3, 1, m), 0.3, jnp.float32), f32((2 + m) * m, m * d) * 0.1,
-            f32((2 + m) * m), jnp.ones((3,), jnp.float32), jnp.ones((d,), jnp.float32))
-    xm, pm = jax.jit(forms.mhc_site(cfg, "model"))(*args)
+    m, d = cfg.mhc.hc_mult, 64
+    carry = forms.mhc_carry(cfg, rng, 3, d)
+    weights = (f32((2 + m) * m, m * d) * 0.1, f32((2 + m) * m), jnp.ones((3,), jnp.float32), f32(d))
+    (xm, pm, *_), xm_out = jax.jit(forms.mhc_site(cfg, "model"))(carry, *weights)
+    np.testing.assert_array_equal(np.asarray(xm_out), np.asarray(xm))
     for name in forms.MHC_FORMS[1:]:
-        xa, pa = jax.jit(forms.mhc_site(cfg, name))(*args)
-        np.testing.assert_allclose(np.asarray(xa), np.asarray(xm), rtol=1e-5, atol=1e-6, err_msg=name)
+        (xa, pa, *_), _ = jax.jit(forms.mhc_site(cfg, name, interpret=True))(carry, *weights)
+        np.testing.assert_allclose(np.asarray(xa, np.float32), np.asarray(xm, np.float32), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
         np.testing.assert_allclose(np.asarray(pa), np.asarray(pm), rtol=1e-6, atol=1e-7, err_msg=name)
 
     window, t, k, b = 8, 30, 6, 2

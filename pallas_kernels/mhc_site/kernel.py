@@ -28,11 +28,12 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
 ROW_BLOCK = 32
+MAX_CHUNK = 64
 
 
 def _chunk(rows: int) -> int:
     """Columns a program takes: wider for few rows (each program's registers hold ~7 [rows, chunk] tiles)."""
-    return 64 if rows <= 8 else 32
+    return MAX_CHUNK if rows <= 8 else MAX_CHUNK // 2
 
 
 def _kernel(f_ref, x_ref, post_ref, comb_ref, pre_ref, fn_ref, xo_ref, u_ref, part_ref, *, m: int, y: int,

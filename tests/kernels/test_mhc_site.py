@@ -28,7 +28,7 @@ def _operands(rng, rows: int, d: int, m: int = 4, expand: bool = True):
 
 
 def _check(got, ref, *, exact: bool):
-    for name, a, b in zip(("streams", "collapse", "mixes"), got, ref):
+    for name, a, b in zip(("streams", "collapse", "mixes"), got, ref, strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert a.shape == b.shape, name
         if name == "mixes":

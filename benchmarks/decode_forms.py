@@ -13,8 +13,8 @@ of a few µs. The forms:
 * ``mhc``: one mHC site at decode (coefficients with the unrolled Sinkhorn, collapse, RMS norm and expand
   of a sublayer's output): ``model`` = :mod:`dsv41_jax.model.mhc` (on GPU collapse and expand written out as
   sums over the M streams), ``products`` = collapse and expand as products (the CPU's and long chunks' form),
-  ``reduce-mix`` = the model with the coefficients' matvec as a multiply and a reduction, ``pallas`` = expand,
-  the matvec's partial sums and collapse in one kernel (:mod:`pallas_kernels.mhc_site`; GPU only).
+  ``reduce-mix`` = the model with the coefficients' matvec as a multiply and a reduction. (A Pallas kernel of
+  the site was a fourth form until it measured 2× slower than the model's: BENCHMARKS.md.)
 * ``attention``: the sparse MQA core of a decode step (one query row, its SWA ring of W keys, its own key
   and 512 picked entries gathered from the compressed keys, the sink): ``model`` =
   :func:`dsv41_jax.model.sparse.sparse_attention` (one softmax over three key parts), ``one-list`` = the three
@@ -46,10 +46,10 @@ def index_forms():
     return {"model": indexer.index_scores, "reduce": reduce}
 
 
-MHC_FORMS = ("model", "products", "reduce-mix", "pallas")
+MHC_FORMS = ("model", "products", "reduce-mix")
 
 
-def mhc_site(cfg, form: str, interpret: bool = False):
+def mhc_site(cfg, form: str):
     """One site as the single-pass schedule runs it between two sublayers: ``X' = expand(F, X, post, comb)``,
     the next coefficients from ``X'``, ``u = norm(collapse(X', pre))``. ``site(carry, fn, base, scale, norm_w)``
     with ``carry = (X [B,1,M,D], pre, F [B,1,D], post, comb)`` returns ``(carry', X')``, ``F'`` being ``u``."""
@@ -79,17 +79,9 @@ def mhc_site(cfg, form: str, interpret: bool = False):
 
     def site(carry, fn, base, scale, norm_w):
         x, pre, f, post, comb = carry
-        if form == "pallas":
-            from pallas_kernels.mhc_site import fused_site
-
-            x2, u, mix = fused_site(f[:, 0], x[:, 0], post[:, 0], comb[:, 0], pre[:, 0], fn, cfg.norm_eps,
-                                    interpret=interpret)
-            x2, u = x2[:, None], u[:, None]
-            p_, post_, comb_ = mhc.coefficients(mix[:, None], base, scale, cfg.mhc)
-        else:
-            x2 = expand(f, x, post, comb)
-            p_, post_, comb_ = mixes(x2, fn, base, scale)
-            u = collapse(x2, pre)
+        x2 = expand(f, x, post, comb)
+        p_, post_, comb_ = mixes(x2, fn, base, scale)
+        u = collapse(x2, pre)
         return (x2, p_, norm(u, norm_w).astype(x.dtype), post_, comb_), x2
 
     return site
@@ -182,8 +174,7 @@ def bench_mhc(cfg, rng, n: int, b: int, d: int = 2048) -> None:
             return site(carry, *weights)
         return op
 
-    forms = MHC_FORMS if jax.default_backend() == "gpu" else MHC_FORMS[:-1]  # the kernel is Triton's
-    time_forms("mhc", {name: op_of(mhc_site(cfg, name)) for name in forms}, mhc_carry(cfg, rng, b, d), (),
+    time_forms("mhc", {name: op_of(mhc_site(cfg, name)) for name in MHC_FORMS}, mhc_carry(cfg, rng, b, d), (),
                *stacked, batch=b)
 
 

@@ -151,8 +151,8 @@ def test_profile_split_attributes_kernels_and_lists_the_largest():
 def test_decode_forms_alternatives_compute_the_models_ops():
     """benchmarks/decode_forms.py: each alternative form gives the model's result: the index head sum as a
     reduction and one key list for the decode attention in fp32, on a ragged top-k (−1 picks) and a ring with
-    empty slots and keys past the window; an mHC site as products, with the matvec as a reduction and as the
-    Pallas kernel (interpreted), on bf16 streams."""
+    empty slots and keys past the window; an mHC site as products and with the matvec as a reduction, on bf16
+    streams."""
     from dsv41_jax import config as Cfg
 
     forms = load_script("benchmarks/decode_forms.py")
@@ -170,7 +170,7 @@ def test_decode_forms_alternatives_compute_the_models_ops():
     (xm, pm, *_), xm_out = jax.jit(forms.mhc_site(cfg, "model"))(carry, *weights)
     np.testing.assert_array_equal(np.asarray(xm_out), np.asarray(xm))
     for name in forms.MHC_FORMS[1:]:
-        (xa, pa, *_), _ = jax.jit(forms.mhc_site(cfg, name, interpret=True))(carry, *weights)
+        (xa, pa, *_), _ = jax.jit(forms.mhc_site(cfg, name))(carry, *weights)
         np.testing.assert_allclose(np.asarray(xa, np.float32), np.asarray(xm, np.float32), rtol=1e-5, atol=1e-6,
                                    err_msg=name)
         np.testing.assert_allclose(np.asarray(pa), np.asarray(pm), rtol=1e-6, atol=1e-7, err_msg=name)

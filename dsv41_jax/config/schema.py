@@ -107,9 +107,6 @@ class MHCConfig:
     # unrolled into one kernel a site instead of 19 host-launched loop trips (dsv41_jax.model.mhc.sinkhorn);
     # it costs compile time (the engine-bench decode step: 32 -> 135 s on an H100). 0: always the loop
     sinkhorn_unroll_rows: int = 1024
-    # speed, not math: on GPU a site of at most this many rows runs expand, the coefficients' matvec and
-    # collapse as one Pallas kernel (pallas_kernels.mhc_site; dsv41_jax.model.mhc.site). 0: never
-    site_kernel_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -268,8 +265,6 @@ def validate(cfg: ModelConfig, source: str | None = None) -> None:
              source)
     if cfg.weight_format not in ("float", "native"):
         fail(f"weight_format must be 'float' or 'native', got {cfg.weight_format!r}", source)
-    if cfg.mhc.site_kernel_rows < 0:
-        fail(f"mhc.site_kernel_rows must be >= 0 (0: never the kernel), got {cfg.mhc.site_kernel_rows}", source)
     if cfg.mhc.sinkhorn_unroll_rows < 0:
         fail(f"mhc.sinkhorn_unroll_rows must be >= 0 (0: never unroll), got {cfg.mhc.sinkhorn_unroll_rows}", source)
     if a.kernel_backend not in KERNEL_BACKENDS:

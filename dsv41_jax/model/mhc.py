@@ -100,50 +100,10 @@ def site(
 ):
     """One site of the single-pass schedule (spec model §4.4): ``X' = expand(f, x, post, comb)`` (``x`` itself
     where ``f`` is None: a block's first site), this site's ``(pre', post', comb')`` from ``X'`` and
-    ``u = collapse(X', pre)`` with the ``pre`` of the site before. Returns ``(X', (pre', post', comb'), u)``.
-
-    On GPU, up to ``cfg.site_kernel_rows`` rows, expand, the matvec and collapse are one Pallas kernel
-    (:mod:`pallas_kernels.mhc_site`; its gradient is these functions'); elsewhere the functions above."""
-    rows = math.prod(x.shape[:-2])
-    if _site_kernel_on(rows, x.shape[-1], cfg):
-        lead, (m, d) = x.shape[:-2], x.shape[-2:]
-        flat = (None if f is None else f.reshape(rows, d), x.reshape(rows, m, d),
-                None if post is None else post.reshape(rows, m), None if comb is None else comb.reshape(rows, m, m),
-                pre.reshape(rows, m), jnp.asarray(fn))
-        x2, u, mix = _kernel_site(*flat, norm_eps)
-        return x2.reshape(x.shape), coefficients(mix.reshape(*lead, -1), base, scale, cfg), u.reshape(*lead, d)
+    ``u = collapse(X', pre)`` with the ``pre`` of the site before. Returns ``(X', (pre', post', comb'), u)``."""
     if f is not None:
         x = expand(f, x, post, comb)
     return x, hc_mixes(x, fn, base, scale, cfg, norm_eps), collapse(x, pre)
-
-
-def _site_kernel_on(rows: int, d: int, cfg: MHCConfig) -> bool:
-    from pallas_kernels.mhc_site import kernel
-
-    return jax.default_backend() == "gpu" and rows <= cfg.site_kernel_rows and d % kernel.MAX_CHUNK == 0
-
-
-_INTERPRET = False  # the kernel in the Pallas interpreter (CPU tests)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _kernel_site(f, x, post, comb, pre, fn, norm_eps):
-    from pallas_kernels.mhc_site import fused_site
-
-    return fused_site(f, x, post, comb, pre, fn, norm_eps, interpret=_INTERPRET)
-
-
-def _kernel_site_fwd(f, x, post, comb, pre, fn, norm_eps):
-    return _kernel_site(f, x, post, comb, pre, fn, norm_eps), (f, x, post, comb, pre, fn)
-
-
-def _kernel_site_bwd(norm_eps, res, g):
-    from pallas_kernels.mhc_site import reference_site
-
-    return jax.vjp(lambda *a: reference_site(*a, norm_eps), *res)[1](g)
-
-
-_kernel_site.defvjp(_kernel_site_fwd, _kernel_site_bwd)
 
 
 def collapse(x: Float[Array, "B S M D"], pre: Float[Array, "B S M"]) -> Float[Array, "B S D"]:

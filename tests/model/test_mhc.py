@@ -237,39 +237,3 @@ def test_expand_convex_destinations(rng, form):
     out = np.asarray(expand(jnp.zeros((b, s, d)), jnp.asarray(resid), jnp.zeros((b, s, n)), comb))
     np.testing.assert_allclose(out, resid, rtol=0, atol=1e-5 * np.abs(stream).max())
 
-
-@pytest.mark.parametrize("first", [True, False])
-def test_site_kernel_path_is_the_functions(rng, monkeypatch, first):
-    """mhc.site through the Pallas site kernel (interpreted, as on a GPU up to site_kernel_rows rows) against
-    expand, hc_mixes and collapse (written out, as on a GPU): the same streams, collapse and coefficients, and
-    the same gradients (the kernel's are the functions', to the order of summation)."""
-    monkeypatch.setattr(mhc, "_written_out", lambda x: True)
-    cfg, (b, s, m, d) = MHCConfig(), (2, 3, 4, 64)
-    x = jnp.asarray(rng.standard_normal((b, s, m, d)), jnp.bfloat16)
-    f = None if first else jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
-    post = None if first else jnp.asarray(rng.uniform(0, 2, (b, s, m)), jnp.float32)
-    comb = None if first else jnp.asarray(rng.dirichlet(np.ones(m), (b, s, m)), jnp.float32)
-    pre = jnp.asarray(rng.uniform(0, 1, (b, s, m)), jnp.float32)
-    fn, base = jnp.asarray(rng.normal(0, 0.05, ((2 + m) * m, m * d)), jnp.float32), jnp.zeros(((2 + m) * m,))
-    scale = jnp.ones((3,), jnp.float32)
-
-    def run(kernel: bool):
-        monkeypatch.setattr(mhc, "_site_kernel_on", lambda rows, d, cfg: kernel)
-        monkeypatch.setattr(mhc, "_INTERPRET", kernel)
-
-        def loss(x, f, fn):
-            x2, (p, q, c), u = mhc.site(f, x, post, comb, pre, fn, base, scale, cfg, 1e-6)
-            return (x2.astype(jnp.float32) ** 2).sum() + (u.astype(jnp.float32) ** 3).sum() + (p * q).sum() + (
-                c[..., 0, :] * jnp.arange(m)).sum()
-
-        out = mhc.site(f, x, post, comb, pre, fn, base, scale, cfg, 1e-6)
-        return out, jax.grad(loss, argnums=(0, 1, 2))(x, f, fn)
-
-    (want, want_grads), (got, got_grads) = run(False), run(True)
-    for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b_, np.float32), rtol=2e-6, atol=1e-6)
-    for a, b_ in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
-        # bf16 gradients (x, f): the same terms, summed in another order before the one rounding to bf16
-        step = 2.0 ** -7 if a.dtype == jnp.bfloat16 else 1e-6
-        a, b_ = np.asarray(a, np.float32), np.asarray(b_, np.float32)
-        assert np.abs(a - b_).max() <= step * np.abs(b_).max(), (a.dtype, np.abs(a - b_).max(), np.abs(b_).max())

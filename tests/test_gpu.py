@@ -46,3 +46,20 @@ def test_golden_prefill_on_gpu(golden_dir):
     for layer in (2, 4, 6, 8, 10):
         agree = (np.sort(ours[f"batch1_topk_{layer}"], -1) == np.sort(ref[f"batch1_topk_{layer}"], -1)).all(-1)
         assert agree.mean() > 0.75
+
+
+def test_fp32_head_of_a_bf16_weight_on_gpu(rng):
+    """The head on the GPU, by default (from 4 rows three bf16 terms of x in one bf16 matmul) and split at every
+    row count: within fp32 rounding of the exact product, so XLA kept the terms' ``reduce_precision``
+    roundings (passed on an H100, jax 0.11.2, before the row rule)."""
+    from dsv41_jax.model.layers import fp32_head
+
+    d, v = 2048, 4096
+    for rows in (1, 32):
+        x = (rng.standard_normal((rows, 1, d)) * np.exp(rng.uniform(-4, 4, (rows, 1, 1)))).astype(np.float32)
+        w = jnp.asarray(rng.standard_normal((v, d)) * d ** -0.5, jnp.bfloat16)
+        exact = np.einsum("bsd,vd->bsv", x.astype(np.float64), np.asarray(w, np.float64))
+        for split in (None, True):  # the default (by rows) and the split form at every row count
+            got = np.asarray(jax.jit(lambda x, w, s=split: fp32_head(x, w, split=s))(jnp.asarray(x), w), np.float64)
+            rel = np.linalg.norm(got - exact, axis=-1) / np.linalg.norm(exact, axis=-1)
+            assert rel.max() < 1e-6, (rows, split, rel.max())

@@ -29,7 +29,7 @@ from dsv41_jax import cache as C
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.attention import Shared
 from dsv41_jax.model.kv_store import Visibility, pytree_dataclass
-from dsv41_jax.model.layers import Linear, RMSNorm, normal
+from dsv41_jax.model.layers import Linear, RMSNorm, fp32_head, normal
 from dsv41_jax.model.mhc import collapse
 from dsv41_jax.model.transformer import Block, Transformer
 from dsv41_jax.sharding import param
@@ -175,8 +175,7 @@ class DSpark(nnx.Module):
         for stage in self.mtp:
             x, pre, shared, _ = stage(x, pre, shared, None, vis)
         h = collapse(x, pre)
-        base = jnp.einsum("bkd,vd->bkv", self.mtp[-1].norm(h).astype(jnp.float32),
-                          target.head.weight[...].astype(jnp.float32), precision="highest")
+        base = fp32_head(self.mtp[-1].norm(h), target.head.weight[...])
         return h, base
 
     def heads(self, base: Float[Array, "*B V"], h: Float[Array, "*B D"], prev: Int[Array, "*B"]

@@ -4,6 +4,7 @@ and RMSNorm."""
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,58 @@ def _low_precision_bwd(spec, res, g):
 
 
 _low_precision_einsum.defvjp(_low_precision_fwd, _low_precision_bwd)
+
+
+# From this many rows the GPU's head splits x into bf16 terms (:func:`fp32_head`). One H100, the 129,280 × 2048
+# bf16 head (BENCHMARKS.md): fp32 product 323.6 µs at 1 row and 1,242.6 µs at 32; the split 378.2 and 494.0 µs.
+# Linear between the two the forms cross near 3 rows.
+HEAD_SPLIT_MIN_ROWS = 4
+
+
+def fp32_head(x: Float[Array, "*B D"], w: ArrayLike, *, split: bool | None = None) -> Float[Array, "*B V"]:
+    """``x · wᵀ`` for fp32 ``x`` and a [V, D] weight, as the fp32 product the spec asks of the output head.
+
+    With a bf16 weight on GPU from :data:`HEAD_SPLIT_MIN_ROWS` rows (``split`` None: decided so), ``x`` is
+    split into three bf16 terms (``x = x₁ + x₂ + x₃`` to 24 bits, each the rounding of what the previous left,
+    by ``reduce_precision``: a bf16 cast round trip inside one program may be removed by XLA:GPU) and the
+    three products run as one bf16 matmul of three times the rows, fp32 accumulation: each bf16 × bf16
+    product is exact in fp32, so the result is the fp32 product to summation order, and the weight is read
+    once, as bf16. XLA:GPU's fp32 matmul at precision ``highest`` read it at 0.43 TB/s at 32 rows (2.5× the
+    split's time); at one row it is the faster form. The gradient is the fp32 product's. Elsewhere, or with
+    an fp32 weight, the plain fp32 product.
+    """
+    w = jnp.asarray(w)
+    x = x.astype(jnp.float32)
+    if split is None:
+        split = jax.default_backend() == "gpu" and math.prod(x.shape[:-1]) >= HEAD_SPLIT_MIN_ROWS
+    if not split or w.dtype != jnp.bfloat16:
+        return jnp.einsum("...d,vd->...v", x, w.astype(jnp.float32), precision="highest")
+    return _split_head(x, w)
+
+
+@jax.custom_vjp
+def _split_head(x, w):
+    terms, rest = [], x
+    for _ in range(3):
+        t = jax.lax.reduce_precision(rest, exponent_bits=8, mantissa_bits=7)
+        terms.append(t.astype(jnp.bfloat16))
+        rest = rest - t
+    y = jnp.einsum("t...d,vd->t...v", jnp.stack(terms), w, preferred_element_type=jnp.float32)
+    return y[2] + y[1] + y[0]  # smallest first
+
+
+def _split_head_fwd(x, w):
+    return _split_head(x, w), (x, w)
+
+
+def _split_head_bwd(res, g):  # the fp32 product's gradients (reduce_precision has no useful derivative here)
+    x, w = res
+    dx = jnp.einsum("...v,vd->...d", g, w.astype(jnp.float32), precision="highest")
+    dw = jnp.einsum("...v,...d->vd", g, x, precision="highest")
+    return dx, dw.astype(w.dtype)
+
+
+_split_head.defvjp(_split_head_fwd, _split_head_bwd)
 
 
 class Linear(nnx.Module):

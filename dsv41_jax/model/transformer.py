@@ -15,7 +15,7 @@ from dsv41_jax.model.documents import Documents, documents
 from dsv41_jax.model.engram import Engram
 from dsv41_jax.model.indexer_loss import TARGETS, IndexerStats
 from dsv41_jax.model.kv_store import DenseKV, PrefixReuse, Visibility
-from dsv41_jax.model.layers import MATMUL, RMSNorm, normal
+from dsv41_jax.model.layers import MATMUL, RMSNorm, fp32_head, normal
 from dsv41_jax.model.mhc import collapse, expand, hc_params, site
 from dsv41_jax.model.moe import MoE, Routing
 from dsv41_jax.sharding import constrain_batch, param
@@ -181,8 +181,7 @@ class Transformer(nnx.Module):
             out = self.norm(collapse(x, pre))
             if rows is not None:
                 out = jnp.take_along_axis(out, rows[:, None, None], axis=1)[:, 0]
-            return jnp.einsum("...d,vd->...v", out.astype(jnp.float32), self.head.weight[...].astype(jnp.float32),
-                              precision="highest")
+            return fp32_head(out, self.head.weight[...])
 
     def run_layers(self, x: Float[Array, "B S M D"], pre: Float[Array, "B S M"], shared: Shared, vis: Visibility, *,
                    engram_rows: Int[Array, "B S L G"] | None = None, is_image: Bool[Array, "B S"] | None = None,

@@ -6,7 +6,7 @@ import numpy as np
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
-from dsv41_jax.model.layers import Linear, mixed_einsum
+from dsv41_jax.model.layers import Linear, fp32_head, mixed_einsum
 from dsv41_jax.model.transformer import REMAT
 from dsv41_jax.testing import mixed_products
 
@@ -78,3 +78,33 @@ def test_remat_dots_keeps_the_products(rng):
     shapes = {k: [r[0].shape for r in saved_residuals(jax.checkpoint(f, policy=REMAT[k]), a, b)]
               for k in ("block", "dots")}
     assert (2, 8, 24) in shapes["dots"] and (2, 8, 24) not in shapes["block"]
+
+
+def test_fp32_head_split_into_bf16_terms_is_the_fp32_product(rng):
+    """The head's product with a bf16 weight as three bf16 terms of x (GPU's form): within fp32 rounding of
+    the exact product, like the fp32 product itself; one bf16 term alone (a bf16 head) is 1000× further off."""
+    d, v = 512, 96
+    x = (rng.standard_normal((2, 3, d)) * np.exp(rng.uniform(-4, 4, (2, 3, 1)))).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((v, d)) * d ** -0.5, jnp.bfloat16)
+    exact = np.einsum("bsd,vd->bsv", x.astype(np.float64), np.asarray(w, np.float64))
+
+    def rel(y):
+        return (np.linalg.norm(np.asarray(y, np.float64) - exact, axis=-1) / np.linalg.norm(exact, axis=-1)).max()
+
+    split = jax.jit(lambda x, w: fp32_head(x, w, split=True))(jnp.asarray(x), w)
+    plain = jax.jit(lambda x, w: fp32_head(x, w, split=False))(jnp.asarray(x), w)
+    one_term = jnp.einsum("bsd,vd->bsv", jnp.asarray(x).astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+    assert split.dtype == jnp.float32 and split.shape == (2, 3, v)
+    assert rel(split) < 1e-6 and rel(plain) < 1e-6, (rel(split), rel(plain))
+    assert rel(one_term) > 1e-3
+    # the split form's gradients are the fp32 product's
+    g = jnp.asarray(rng.standard_normal((2, 3, v)), jnp.float32)
+    grads = [jax.grad(lambda x, w, s=s: (fp32_head(x, w, split=s) * g).sum(), argnums=(0, 1))(jnp.asarray(x), w)
+             for s in (True, False)]
+    for a, b in zip(grads[0], grads[1], strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # an fp32 weight takes the plain product whatever the backend
+    w32 = jnp.asarray(w, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(fp32_head(jnp.asarray(x), w32, split=True)),
+                                  np.asarray(fp32_head(jnp.asarray(x), w32, split=False)))

@@ -236,4 +236,3 @@ def test_expand_convex_destinations(rng, form):
     resid = np.repeat(stream, n, axis=2)
     out = np.asarray(expand(jnp.zeros((b, s, d)), jnp.asarray(resid), jnp.zeros((b, s, n)), comb))
     np.testing.assert_allclose(out, resid, rtol=0, atol=1e-5 * np.abs(stream).max())
-

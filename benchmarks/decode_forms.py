@@ -75,7 +75,7 @@ def mhc_site(cfg, form: str):
 
     def norm(u, norm_w):
         u = u.astype(jnp.float32)
-        return (u * jax.lax.rsqrt(jnp.mean(u * u, -1, keepdims=True) + cfg.norm_eps) * norm_w).astype(u.dtype)
+        return u * jax.lax.rsqrt(jnp.mean(u * u, -1, keepdims=True) + cfg.norm_eps) * norm_w
 
     def site(carry, fn, base, scale, norm_w):
         x, pre, f, post, comb = carry

@@ -51,7 +51,7 @@ def test_golden_prefill_on_gpu(golden_dir):
 def test_fp32_head_of_a_bf16_weight_on_gpu(rng):
     """The head on the GPU, by default (from 4 rows three bf16 terms of x in one bf16 matmul) and split at every
     row count: within fp32 rounding of the exact product, so XLA kept the terms' ``reduce_precision``
-    roundings (passed on an H100, jax 0.11.2, before the row rule)."""
+    roundings."""
     from dsv41_jax.model.layers import fp32_head
 
     d, v = 2048, 4096

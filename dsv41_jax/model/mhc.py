@@ -93,19 +93,6 @@ def coefficients(mix: Float[Array, "B S Y"], base: ArrayLike, scale: ArrayLike, 
     return pre, post, sinkhorn(comb, cfg.hc_sinkhorn_iters, eps, unroll=unroll)
 
 
-def site(
-    f: Float[Array, "B S D"] | None, x: Float[Array, "B S M D"], post: Float[Array, "B S M"] | None,
-    comb: Float[Array, "B S M M"] | None, pre: Float[Array, "B S M"], fn: ArrayLike, base: ArrayLike,
-    scale: ArrayLike, cfg: MHCConfig, norm_eps: float,
-):
-    """One site of the single-pass schedule (spec model §4.4): ``X' = expand(f, x, post, comb)`` (``x`` itself
-    where ``f`` is None: a block's first site), this site's ``(pre', post', comb')`` from ``X'`` and
-    ``u = collapse(X', pre)`` with the ``pre`` of the site before. Returns ``(X', (pre', post', comb'), u)``."""
-    if f is not None:
-        x = expand(f, x, post, comb)
-    return x, hc_mixes(x, fn, base, scale, cfg, norm_eps), collapse(x, pre)
-
-
 def collapse(x: Float[Array, "B S M D"], pre: Float[Array, "B S M"]) -> Float[Array, "B S D"]:
     """``u = Σ_c pre_c · X_c`` in fp32, cast to the stream dtype (spec model §4.3)."""
     xf = x.astype(jnp.float32)

@@ -16,7 +16,7 @@ from dsv41_jax.model.engram import Engram
 from dsv41_jax.model.indexer_loss import TARGETS, IndexerStats
 from dsv41_jax.model.kv_store import DenseKV, PrefixReuse, Visibility
 from dsv41_jax.model.layers import MATMUL, RMSNorm, fp32_head, normal
-from dsv41_jax.model.mhc import collapse, expand, hc_params, site
+from dsv41_jax.model.mhc import collapse, expand, hc_mixes, hc_params
 from dsv41_jax.model.moe import MoE, Routing
 from dsv41_jax.sharding import constrain_batch, param
 from dsv41_jax.topology import LayerSpec, layer_spec
@@ -44,18 +44,17 @@ class Block(nnx.Module):
                  indexer_target: str | None = None, publish: bool = True):
         """Returns ``(x, pre, shared, routing)``; ``pre`` is the pre-mix the next site reads."""
         # named scopes: a profile or HLO dump attributes each op to mhc / attention (/ indexer) / moe
-        with jax.named_scope("mhc"):  # pre from the previous site
-            x, (a_pre, a_post, a_comb), u = site(None, x, None, None, pre, self.hc_attn_fn[...],
-                                                 self.hc_attn_base[...], self.hc_attn_scale[...], self.mhc,
-                                                 self.norm_eps)
-            u = self.attn_norm(u)
+        with jax.named_scope("mhc"):
+            a_pre, a_post, a_comb = hc_mixes(x, self.hc_attn_fn[...], self.hc_attn_base[...],
+                                             self.hc_attn_scale[...], self.mhc, self.norm_eps)
+            u = self.attn_norm(collapse(x, pre))  # pre from the previous site
         with jax.named_scope("attention"):
             y, shared = self.attn(u, shared, vis, indexer_target=indexer_target, publish=publish)
         with jax.named_scope("mhc"):
-            x, (f_pre, f_post, f_comb), u = site(y, x, a_post, a_comb, a_pre, self.hc_ffn_fn[...],
-                                                 self.hc_ffn_base[...], self.hc_ffn_scale[...], self.mhc,
-                                                 self.norm_eps)
-            u = self.ffn_norm(u)
+            x = expand(y, x, a_post, a_comb)
+            f_pre, f_post, f_comb = hc_mixes(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...],
+                                             self.mhc, self.norm_eps)
+            u = self.ffn_norm(collapse(x, a_pre))
         with jax.named_scope("moe"):
             y, routing = self.ffn(u, is_image)
         with jax.named_scope("mhc"):

@@ -6,6 +6,7 @@ Usage: python benchmarks/engine_bench.py decode|prefill|decode+prefill|parts|cos
 [--mesh=DxFxExT] (decode: weights placed by the sharding table, sequences over data×expert, MoE expert-parallel)
 [--moe=auto|gather|grouped] (the routed experts' path, model.moe.routed_path)
 [--weights=float|native] (native: the release's FP8 linears and MXFP4 experts with E8M0 scales, random codes)
+[--kernels=xla|pallas] (attention.kernel_backend: pallas_kernels' kernels where they apply)
 [--loop=N] (decode: N steps in one compiled loop with the cache donated, as the generator runs them, per step)
 [--profile=DIR] (decode: a trace of 3 steps of each case and its HLO, for ``profile_split.py DIR/bB_cC --steps 3``).
 ``moe BATCHES [PATHS]``: one MoE layer at the release's dimensions with MXFP4 experts, each routed path.
@@ -290,6 +291,7 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None, loo
             accessed = analysis.get("bytes accessed", float("nan")) / max(loop, 1)
             floor = decode_floor(cfg, b, ctx)
             print(json.dumps({"bench": "decode_step", "mesh": None if mesh is None else dict(mesh.shape),
+                              "kernels": cfg.attention.kernel_backend,
                               "moe": cfg.moe.routed_path, "loop": loop, "batch": b, "context": ctx, "ms": sec * 1e3,
                               "tokens_per_s": b / sec, "compile_s": compile_s, "cache_GB": cache_bytes / 1e9,
                               "weights_GB": weight_bytes / 1e9, "bytes_accessed_GB": accessed / 1e9,
@@ -393,13 +395,14 @@ if __name__ == "__main__":
         sys.argv.remove(arg)
         shape = tuple(int(x) for x in arg.split("=")[1].split("x"))
         mesh = build_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
-    flags = {"--moe": "auto", "--weights": "float", "--profile": None, "--loop": "0"}
+    flags = {"--moe": "auto", "--weights": "float", "--profile": None, "--loop": "0", "--kernels": "xla"}
     for arg in [a for a in sys.argv if a.split("=")[0] in flags]:
         sys.argv.remove(arg)
         flags[arg.split("=")[0]] = arg.split("=")[1]
     what = sys.argv[1] if len(sys.argv) > 1 else "decode"
     cfg = bench_config()
-    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, routed_path=flags["--moe"]), weight_format=flags["--weights"])
+    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, routed_path=flags["--moe"]), weight_format=flags["--weights"],
+                      attention=dataclasses.replace(cfg.attention, kernel_backend=flags["--kernels"]))
     print(json.dumps({"device": str(jax.devices()[0]), "jax": jax.__version__, "config": "release layers, dim 2048, "
                       "16 experts x 1024", "weights": cfg.weight_format}), flush=True)
     if what == "parts":

@@ -21,7 +21,7 @@ from dsv41_jax import quant
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.kv_store import Slots, pytree_dataclass
 from dsv41_jax.topology import topology
-from pallas_kernels import fp4_pack
+from pallas_kernels import fp4_pack, index_scan
 from pallas_kernels.fp4_pack import reference as fp4_reference
 
 
@@ -103,11 +103,6 @@ def read_main_kv(src: SourceCache, index: Int[Array, "B S K"], dtype, *, backend
     """Dequantised main-KV entries [B, S, K, H] at ``index`` (only the picked rows are unpacked)."""
     return fp4_pack.unpack_nvfp4(gather_rows(src.kv_codes, index), gather_rows(src.kv_scales, index), dtype,
                                  backend=backend)
-
-
-def read_index_keys(src: SourceCache, dtype, *, backend: str = "xla") -> Array:
-    """All index keys [B, T, I] (the candidate source scans the whole visible range)."""
-    return fp4_pack.unpack_mxfp4(src.ik_codes, src.ik_exps, dtype, backend=backend)
 
 
 def read_index_keys_at(src: SourceCache, index: Int[Array, "B S K"], dtype, *, backend: str = "xla") -> Array:
@@ -262,8 +257,9 @@ class PackedKV:
     def n_entries(self, layer):
         return self.sources[layer.kv_source].kv_codes.shape[1]
 
-    def index_keys(self, layer, dtype):
-        return read_index_keys(self.sources[layer.kv_source], dtype, backend=self.backend)
+    def index_scores(self, layer, iq, w):
+        src = self.sources[layer.kv_source]
+        return index_scan.index_scores(iq, w, src.ik_codes, src.ik_exps, backend=self.backend)
 
     def index_keys_at(self, layer, index, dtype):
         return read_index_keys_at(self.sources[layer.kv_source], index, dtype, backend=self.backend)

@@ -27,6 +27,7 @@ from dsv41_jax.model.indexer import (
     expand_blocks,
     gathered_index_scores,
     select_topk,
+    visible_scores,
 )
 from dsv41_jax.model.indexer_loss import IndexerStats, indexer_stats
 from dsv41_jax.model.kv_store import KVStore, Visibility
@@ -140,11 +141,10 @@ class Attention(nnx.Module):
         # smaller [B, S, N, ·] intermediate per query), unless every entry's score is asked for (the indexer
         # loss). Both select the same entries: candidate slots are in entry order, ties go to the lower entry
         pool = None if shared.candidates is None else shared.candidates.shape[-1] * cfg.candidate_block_size
+        iq, w = self.indexer.queries(x, q_latent, vis.pos, self.freqs)
         if spec.uses_candidates and not full_scores and pool < shared.kv.n_entries(spec):
-            iq, w = self.indexer.queries(x, q_latent, vis.pos, self.freqs)
             return shared._replace(topk=self._topk_in_candidates(iq, w, shared, ent)), None
-        keys = shared.kv.index_keys(spec, x.dtype)  # MXFP4 values: exact in the activation dtype
-        scores = self.indexer.scores(x, q_latent, vis.pos, self.freqs, keys, ent.hi, ent.lo)  # −∞ unless lo ≤ t < hi
+        scores = visible_scores(shared.kv.index_scores(spec, iq, w), ent.hi, ent.lo)  # −∞ unless lo ≤ t < hi
         restricted = scores
         if spec.candidate_source:
             own = scores if ent.lo is None else to_document(scores, ent.lo, -jnp.inf)
@@ -152,8 +152,8 @@ class Attention(nnx.Module):
             shared = shared._replace(candidates=candidate_block_ids(
                 own, n_own, cfg.candidate_block_size, cfg.candidate_topk_blocks, backend=cfg.kernel_backend))
         if spec.uses_candidates:
-            nb = -(-keys.shape[1] // cfg.candidate_block_size)
-            allowed = expand_blocks(block_mask(shared.candidates, nb), cfg.candidate_block_size, keys.shape[1])
+            nb = -(-scores.shape[-1] // cfg.candidate_block_size)
+            allowed = expand_blocks(block_mask(shared.candidates, nb), cfg.candidate_block_size, scores.shape[-1])
             allowed = allowed if ent.lo is None else from_document(allowed, ent.lo, False)
             restricted = jnp.where(allowed, scores, -jnp.inf)
         return shared._replace(topk=select_topk(restricted, cfg.index_topk, ent.hi, ent.lo)), scores

@@ -53,12 +53,17 @@ class Indexer(nnx.Module):
         ``lo`` (default 0) is the first entry of the query's document in a packed row.
         """
         iq, w = self.queries(x, q_latent, positions, freqs)
-        scores = index_scores(iq, w, index_k)
-        t = jnp.arange(index_k.shape[1])
-        visible = t < n_visible[..., None]
-        if lo is not None:
-            visible = visible & (t >= lo[..., None])
-        return jnp.where(visible, scores, -jnp.inf)
+        return visible_scores(index_scores(iq, w, index_k), n_visible, lo)
+
+
+def visible_scores(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], lo: Int[Array, "B S"] | None = None
+                   ) -> Float[Array, "B S T"]:
+    """``scores`` where ``lo ≤ t < n_visible`` (``lo`` default 0), −∞ elsewhere."""
+    t = jnp.arange(scores.shape[-1])
+    visible = t < n_visible[..., None]
+    if lo is not None:
+        visible = visible & (t >= lo[..., None])
+    return jnp.where(visible, scores, -jnp.inf)
 
 
 def index_scores(iq: Float[Array, "B S N I"], w: Float[Array, "B S N"], keys: Float[Array, "B T I"]

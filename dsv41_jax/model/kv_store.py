@@ -27,6 +27,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dsv41_jax import quant
 from dsv41_jax.model.compressor import Compressor
 from dsv41_jax.model.documents import Documents, Entries, entries
+from dsv41_jax.model.indexer import index_scores
 from dsv41_jax.topology import LayerSpec
 
 
@@ -87,8 +88,9 @@ class KVStore(Protocol):
     def n_entries(self, layer: LayerSpec) -> int:
         """How many entries the layer's KV source holds (visible or not)."""
 
-    def index_keys(self, layer: LayerSpec, dtype) -> Float[Array, "B T I"]:
-        """Every index key of the layer's KV source."""
+    def index_scores(self, layer: LayerSpec, iq: Float[Array, "B S N I"], w: Float[Array, "B S N"]
+                     ) -> Float[Array, "B S T"]:
+        """Every entry's index score ``Σ_h w_h·ReLU(q_h·k_t)`` under the layer's KV source (fp32, unmasked)."""
 
     def index_keys_at(self, layer: LayerSpec, index: Int[Array, "B S K"], dtype) -> Float[Array, "B S K I"]:
         """Index keys at ``index`` (callers mask negative ones)."""
@@ -179,8 +181,8 @@ class DenseKV:
     def n_entries(self, layer):
         return self.index.shape[1]
 
-    def index_keys(self, layer, dtype):
-        return self.index
+    def index_scores(self, layer, iq, w):
+        return index_scores(iq, w, self.index)
 
     def index_keys_at(self, layer, index, dtype):
         return jax.vmap(lambda k, i: k[jnp.maximum(i, 0)])(self.index, index)

@@ -202,3 +202,31 @@ def test_training_gradients_with_the_attention_kernel_bf16(tiny8_cfg, kernel_eve
 
 def optax_global_norm(tree):
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+@pytest.mark.slow  # two compiles of the tiny8 prefill and decode programs in bf16, one with an interpreted kernel
+def test_engine_with_the_index_scan_kernel_interpreted(tiny8_cfg, monkeypatch):
+    """The engine with the index-scan kernel (``pallas_kernels.index_scan``) wherever a GPU would run it (every
+    decode step's KV-source scans, 16-bit queries), interpreted on the CPU, against XLA in bf16: logits within
+    the bf16 bound of the tests above (the kernel sums the same fp32 products in another order, which can move
+    a near-tie of the top-k)."""
+    import functools
+
+    from pallas_kernels.index_scan import api as scan_api
+    from pallas_kernels.index_scan import triton as scan_triton
+
+    monkeypatch.setattr(scan_api, "kernel_applies", lambda iq: iq.shape[1] <= scan_api.MAX_QUERIES
+                        and jnp.dtype(iq.dtype).itemsize == 2)
+    monkeypatch.setattr(scan_triton, "index_scores", functools.partial(scan_triton.index_scores, interpret=True))
+    xla, pallas = _bf16_pair(tiny8_cfg)
+    want = _generate(xla)[0].astype(np.float32)
+    got, _, _, step = _generate(pallas)
+    got = got.astype(np.float32)
+    rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    print({"logits_bit_equal": bool((got == want).all()), "median_row_rel": float(np.median(rel)),
+           "max_row_rel": float(rel.max())})
+    assert np.isfinite(want).all() and np.median(rel) < 1e-2 and rel.max() < 5e-2, rel
+    cache = C.init_cache(pallas.cfg, 2, MAX_LEN)
+    tokens, rows = _inputs(pallas.cfg, 2, 1)
+    jaxpr = str(jax.make_jaxpr(step)(cache, tokens, rows, jnp.ones((2,), jnp.int32)))
+    assert jaxpr.count("name=index_scan") == len(pallas.cfg.attention.kv_source_layers)  # one scan a KV source

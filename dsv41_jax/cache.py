@@ -23,6 +23,7 @@ from dsv41_jax.model.kv_store import Slots, pytree_dataclass
 from dsv41_jax.topology import topology
 from pallas_kernels import fp4_pack, index_scan
 from pallas_kernels.fp4_pack import reference as fp4_reference
+from pallas_kernels.sparse_attention import api as sparse_api
 
 
 class SourceCache(NamedTuple):
@@ -270,6 +271,19 @@ class PackedKV:
 
     def attended_entries(self, layer, topk, dtype):
         return None, read_main_kv(self.sources[layer.kv_source], topk, dtype, backend=self.backend)
+
+    def packed_attention(self, layer, q, window_kv, sink, topk, vis):
+        """A decode step's attention read straight from the ring and the picked packed rows on GPU with
+        ``kernel_backend: pallas`` (``sparse_attention.packed_decode``); None elsewhere."""
+        if not sparse_api.packed_decode_applies(q, self.backend):
+            return None
+        ring = self.rings[layer.layer]
+        codes = scales = None
+        if layer.compressed:
+            src = self.sources[layer.kv_source]
+            codes, scales = src.kv_codes, src.kv_scales
+        return sparse_api.sparse_decode(q, window_kv, sink, ring.values.shape[1], ring.values, ring.exps,
+                                        self.ring_pos, codes, scales, topk, vis.start, vis.floor)
 
     def window(self, layer, dtype):
         return read_ring(self.rings[layer.layer], dtype), self.ring_pos

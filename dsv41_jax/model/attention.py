@@ -185,10 +185,14 @@ class Attention(nnx.Module):
         """The sparse attention core, the layer's one call of it: window keys (this forward's and the store's),
         the selected compressed entries and the sink in one softmax (spec §3.6). Returns ``(o, mass)``."""
         spec = self.spec
+        topk = shared.topk if spec.compressed else None
+        if not with_mass and spec.part != "draft":
+            out = shared.kv.packed_attention(spec, q, window_kv, self._sink(), topk, vis)
+            if out is not None:
+                return out, None
         prefix_kv, prefix_pos = shared.kv.window(spec, q.dtype)
-        compressed_kv = picked = topk = None
+        compressed_kv = picked = None
         if spec.compressed:
-            topk = shared.topk
             compressed_kv, picked = shared.kv.attended_entries(spec, topk, q.dtype)
         out = sparse_api.sparse_attention(
             q, window_kv, self._sink(), self.cfg.window_size, compressed_kv, topk, vis.floor, start=vis.start,

@@ -102,6 +102,12 @@ class KVStore(Protocol):
                          ) -> tuple[Float[Array, "B T H"] | None, Float[Array, "B S K H"] | None]:
         """``(compressed_kv, picked)`` for :func:`~dsv41_jax.model.sparse.sparse_attention`: one is None."""
 
+    def packed_attention(self, layer: LayerSpec, q: Float[Array, "B S N H"], window_kv: Float[Array, "B S H"],
+                         sink: Float[Array, "N"], topk: Int[Array, "B S K"] | None, vis: Visibility
+                         ) -> Float[Array, "B S N H"] | None:
+        """The attention core computed from the store's own formats by a kernel, or None where the model's
+        core (:func:`~pallas_kernels.sparse_attention.api.sparse_attention`) runs on the store's keys."""
+
     def window(self, layer: LayerSpec, dtype) -> tuple[Float[Array, "B W H"] | None, Int[Array, "B W"] | None]:
         """Window keys from before this forward and their positions (−1 = empty), or ``(None, None)``."""
 
@@ -192,6 +198,9 @@ class DenseKV:
 
     def attended_entries(self, layer, topk, dtype):
         return self.main, None
+
+    def packed_attention(self, layer, q, window_kv, sink, topk, vis):
+        return None
 
     def window(self, layer, dtype):
         return None, None

@@ -57,17 +57,15 @@ def _kernel(qe_ref, qo_ref, w_ref, codes_ref, exps_ref, out_ref, *, block: int, 
 def index_scores(iq: Float[Array, "B S N I"], w: Float[Array, "B S N"], codes: UInt8[Array, "B T P"],
                  exps: UInt8[Array, "B T G"], *, block: int = DEFAULT_BLOCK, interpret: bool = False
                  ) -> Float[Array, "B S T"]:
-    """:func:`pallas_kernels.index_scan.reference.index_scores` in one kernel (bf16 or f16 queries).
-
-    ``interpret`` runs it in the Pallas interpreter (CPU tests)."""
+    """:func:`pallas_kernels.index_scan.reference.index_scores` in one kernel. The keys are decoded to the queries'
+    dtype: bf16 or f16 on GPU (``api`` dispatches only those; an fp32 product there would run as TF32), fp32 too
+    in the interpreter. ``interpret`` runs it in the Pallas interpreter (CPU tests)."""
     b, s, n, i = iq.shape
     t = codes.shape[1]
     groups = i // GROUP
     if i % GROUP or codes.shape != (b, t, i // 2) or exps.shape != (b, t, groups) or w.shape != (b, s, n):
         raise ValueError(f"index_scan: queries {iq.shape}, weights {w.shape}, codes {codes.shape} and exps "
                          f"{exps.shape} do not describe [B, S, N, I] queries over [B, T, I/2] + [B, T, I/32] keys")
-    if jnp.dtype(iq.dtype).itemsize != 2:
-        raise ValueError(f"index_scan: the kernel takes 16-bit queries, got {iq.dtype}")
     if block & (block - 1) or block < 16:
         raise ValueError(f"index_scan: block must be a power of two >= 16, got {block}")
     rows = max(MIN_ROWS, 1 << (n - 1).bit_length())  # zero heads with zero weight add nothing

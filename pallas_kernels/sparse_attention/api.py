@@ -22,7 +22,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from dsv41_jax.model import sparse as xla
-from pallas_kernels.sparse_attention import layout, mosaic, tpu
+from pallas_kernels.sparse_attention import layout, mosaic, packed_decode, tpu
 
 BACKENDS = ("xla", "pallas")
 
@@ -134,3 +134,19 @@ def _query_grads(q, main, extra, idx, lse, g, scale):
 
 
 sparse_mqa.defvjp(_fwd, _bwd)
+
+
+def packed_decode_applies(q: jax.Array, backend: str) -> bool:
+    """Whether ``backend`` runs a one-token chunk's attention straight from the packed caches
+    (:func:`packed_decode.sparse_decode`): ``pallas`` on a GPU, 16-bit activations, head blocks of 16."""
+    b, s, n, h = q.shape
+    return (backend == "pallas" and jax.default_backend() == "gpu" and s == 1
+            and q.dtype in (jnp.bfloat16, jnp.float16) and n % 16 == 0 and h % 64 == 0)
+
+
+def sparse_decode(q, own_kv, sink, window: int, ring_values, ring_exps, ring_pos, kv_codes, kv_scales, topk, start,
+                  floor) -> Float[Array, "B 1 N H"]:
+    """:func:`packed_decode.sparse_decode` with the variant measured fastest (BENCHMARKS.md)."""
+    floor = jnp.broadcast_to(jnp.asarray(floor, jnp.int32), start.shape)
+    return packed_decode.sparse_decode(q, own_kv, jnp.asarray(sink), window, ring_values, ring_exps, ring_pos, kv_codes,
+                                       kv_scales, topk, start, floor)

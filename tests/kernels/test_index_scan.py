@@ -66,8 +66,6 @@ def test_bad_arguments_are_named():
     iq, w, codes, exps = _inputs()
     with pytest.raises(ValueError, match="codes"):
         triton.index_scores(iq, w, codes[..., :32], exps, interpret=True)
-    with pytest.raises(ValueError, match="16-bit"):
-        triton.index_scores(iq.astype(jnp.float32), w, codes, exps, interpret=True)
     with pytest.raises(ValueError, match="block"):
         triton.index_scores(iq, w, codes, exps, block=48, interpret=True)
     with pytest.raises(ValueError, match="backend"):

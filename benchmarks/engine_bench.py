@@ -6,7 +6,8 @@ Usage: python benchmarks/engine_bench.py decode|prefill|decode+prefill|parts|cos
 [--mesh=DxFxExT] (decode: weights placed by the sharding table, sequences over data×expert, MoE expert-parallel)
 [--moe=auto|gather|grouped] (the routed experts' path, model.moe.routed_path)
 [--weights=float|native] (native: the release's FP8 linears and MXFP4 experts with E8M0 scales, random codes)
-[--kernels=xla|pallas] (attention.kernel_backend: pallas_kernels' kernels where they apply)
+[--kernels=xla|pallas|xla,pallas] (attention.kernel_backend: pallas_kernels' kernels where they apply; a list
+measures each backend on the same weights)
 [--loop=N] (decode: N steps in one compiled loop with the cache donated, as the generator runs them, per step)
 [--profile=DIR] (decode: a trace of 3 steps of each case and its HLO, for ``profile_split.py DIR/bB_cC --steps 3``).
 ``moe BATCHES [PATHS]``: one MoE layer at the release's dimensions with MXFP4 experts, each routed path.
@@ -146,6 +147,14 @@ def build(cfg, mesh=None):
     from dsv41_jax.model.transformer import abstract_model
 
     return draw(abstract_model(cfg), mesh)
+
+
+def with_config(cfg):
+    """The graph definition of ``cfg``'s model: the same parameter tree under another runtime choice (the
+    kernel backend), so that one set of drawn weights serves both programs."""
+    from dsv41_jax.model.transformer import abstract_model
+
+    return nnx.graphdef(abstract_model(cfg))
 
 
 def draw(module: nnx.Module, mesh=None):
@@ -402,7 +411,7 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "decode"
     cfg = bench_config()
     cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, routed_path=flags["--moe"]), weight_format=flags["--weights"],
-                      attention=dataclasses.replace(cfg.attention, kernel_backend=flags["--kernels"]))
+                      attention=dataclasses.replace(cfg.attention, kernel_backend=flags["--kernels"].split(",")[0]))
     print(json.dumps({"device": str(jax.devices()[0]), "jax": jax.__version__, "config": "release layers, dim 2048, "
                       "16 experts x 1024", "weights": cfg.weight_format}), flush=True)
     if what == "parts":
@@ -419,8 +428,10 @@ if __name__ == "__main__":
     n_params = sum(x.size for x in jax.tree.leaves(state))
     print(json.dumps({"params_B": n_params / 1e9}), flush=True)
     if what == "decode":
-        decode(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")],
-               mesh, flags["--profile"], int(flags["--loop"]))
+        for backend in flags["--kernels"].split(","):  # the same weights under each backend's program
+            cfg_b = cfg.replace(attention=dataclasses.replace(cfg.attention, kernel_backend=backend))
+            decode(with_config(cfg_b), state, cfg_b, [int(x) for x in sys.argv[2].split(",")],
+                   [int(x) for x in sys.argv[3].split(",")], mesh, flags["--profile"], int(flags["--loop"]))
     elif what == "decode+prefill":  # one weight build for both (decode CONTEXTS BATCHES, prefill LENGTHS REPS)
         decode(graphdef, state, cfg, [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")],
                mesh)

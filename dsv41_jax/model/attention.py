@@ -36,7 +36,11 @@ from dsv41_jax.model.rope import apply_rope, rope_frequencies
 from dsv41_jax.model.sparse import entry_mass
 from dsv41_jax.sharding import batch_local, param
 from dsv41_jax.topology import LayerSpec
+from pallas_kernels import index_scan
 from pallas_kernels.sparse_attention import api as sparse_api
+
+# entries from which a decode step's top-k over a full scan takes the radix select (None: always top_k)
+RADIX_TOPK_MIN_ENTRIES: int | None = None
 
 
 class Shared(NamedTuple):
@@ -156,7 +160,13 @@ class Attention(nnx.Module):
             allowed = expand_blocks(block_mask(shared.candidates, nb), cfg.candidate_block_size, scores.shape[-1])
             allowed = allowed if ent.lo is None else from_document(allowed, ent.lo, False)
             restricted = jnp.where(allowed, scores, -jnp.inf)
-        return shared._replace(topk=select_topk(restricted, cfg.index_topk, ent.hi, ent.lo)), scores
+        # a decode step's unrestricted scan over many entries: the radix select instead of top_k's sort (the
+        # same picks: there −∞ marks exactly the invisible entries)
+        radix = (RADIX_TOPK_MIN_ENTRIES is not None and not spec.uses_candidates and ent.lo is None
+                 and x.shape[1] <= index_scan.MAX_QUERIES
+                 and scores.shape[-1] >= max(RADIX_TOPK_MIN_ENTRIES, cfg.index_topk))
+        topk = select_topk(restricted, cfg.index_topk, ent.hi, ent.lo, radix=radix, backend=cfg.kernel_backend)
+        return shared._replace(topk=topk), scores
 
     def _topk_in_candidates(self, iq, w, shared: Shared, ent) -> Int[Array, "B S K"]:
         """Top-k among the candidate pool's entries only, so a Reindex layer's cost does not grow with context.

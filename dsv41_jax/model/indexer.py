@@ -105,12 +105,21 @@ def expand_blocks(blocks: Bool[Array, "B S NB"], block_size: int, length: int) -
 
 
 def select_topk(scores: Float[Array, "B S T"], k: int, n_visible: Int[Array, "B S"],
-                lo: Int[Array, "B S"] | None = None) -> Int[Array, "B S K"]:
+                lo: Int[Array, "B S"] | None = None, *, radix: bool = False, backend: str = "xla"
+                ) -> Int[Array, "B S K"]:
     """The ``min(k, T)`` best positions, ascending; picks outside ``[lo, n_visible)`` become −1 (spec §3.5).
 
     ``lo`` (default 0) is the first entry of the query's document: another document's entry is never kept,
-    even as a −∞ filler.
+    even as a −∞ filler. ``radix`` finds the same picks with the candidate selection's sort-free radix select
+    (``block_max.select_blocks``; its threshold passes as kernels with ``backend="pallas"`` on GPU), for scores
+    that are −∞ exactly where an entry is not visible (no ``lo``, no candidate restriction): it drops −∞
+    entries where ``top_k`` would keep them as fillers, which this function turns into −1 anyway.
     """
+    if radix:
+        if lo is not None or k > scores.shape[-1]:
+            raise ValueError("select_topk: the radix select takes rows without documents and k <= T")
+        idx = block_max_api.select_blocks(scores, k, selection="radix", backend=backend)  # ascending, −1 padded
+        return jnp.where(idx < n_visible[..., None], idx, -1).astype(jnp.int32)
     idx = batch_local(lambda v: jax.lax.top_k(v, min(k, v.shape[-1]))[1], scores)
     idx = jnp.sort(idx, axis=-1)
     keep = idx < n_visible[..., None]

@@ -197,3 +197,18 @@ def test_indexer_scores_equal_formula(tiny_cfg, rng):
     raw = rope_oracle((q_latent.astype(np.float64) @ wq.T).reshape(b, s, hi, di), pos, freqs)
     unq = np.einsum("bsh,bsht->bst", w, np.maximum(np.einsum("bshd,btd->bsht", raw, k), 0))
     assert np.abs(unq[vis] - want[vis]).max() > 1e-2 * scale.max()
+
+
+@pytest.mark.parametrize("b,s,t,k", [(2, 1, 700, 64), (3, 2, 300, 300), (1, 1, 5000, 512)])
+def test_select_topk_by_radix_equals_top_k(rng, b, s, t, k):
+    """The radix select picks what ``top_k`` picks on unrestricted causal scores: many ties (integer scores, the
+    lower entry first), −∞ past each row's visible entries, rows with fewer visible entries than k."""
+    scores = rng.integers(0, 5, size=(b, s, t)).astype(np.float32)
+    n_vis = rng.integers(k // 2, t + 1, size=(b, s))
+    scores = jnp.asarray(np.where(np.arange(t) < n_vis[..., None], scores, NEG_INF), jnp.float32)
+    n_vis = jnp.asarray(n_vis, jnp.int32)
+    want = np.asarray(select_topk(scores, k, n_vis))
+    got = np.asarray(jax.jit(lambda sc, n: select_topk(sc, k, n, radix=True))(scores, n_vis))
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="radix"):
+        select_topk(scores, k, n_vis, n_vis * 0, radix=True)

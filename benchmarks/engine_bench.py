@@ -8,6 +8,7 @@ Usage: python benchmarks/engine_bench.py decode|prefill|decode+prefill|parts|cos
 [--weights=float|native] (native: the release's FP8 linears and MXFP4 experts with E8M0 scales, random codes)
 [--kernels=xla|pallas|xla,pallas] (attention.kernel_backend: pallas_kernels' kernels where they apply; a list
 measures each backend on the same weights)
+[--radix-topk=N] (decode: the KV sources' top-k by the radix select from N entries, attention.RADIX_TOPK_MIN_ENTRIES)
 [--loop=N] (decode: N steps in one compiled loop with the cache donated, as the generator runs them, per step)
 [--profile=DIR] (decode: a trace of 3 steps of each case and its HLO, for ``profile_split.py DIR/bB_cC --steps 3``).
 ``moe BATCHES [PATHS]``: one MoE layer at the release's dimensions with MXFP4 experts, each routed path.
@@ -404,11 +405,16 @@ if __name__ == "__main__":
         sys.argv.remove(arg)
         shape = tuple(int(x) for x in arg.split("=")[1].split("x"))
         mesh = build_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
-    flags = {"--moe": "auto", "--weights": "float", "--profile": None, "--loop": "0", "--kernels": "xla"}
+    flags = {"--moe": "auto", "--weights": "float", "--profile": None, "--loop": "0", "--kernels": "xla",
+             "--radix-topk": None}
     for arg in [a for a in sys.argv if a.split("=")[0] in flags]:
         sys.argv.remove(arg)
         flags[arg.split("=")[0]] = arg.split("=")[1]
     what = sys.argv[1] if len(sys.argv) > 1 else "decode"
+    if flags["--radix-topk"] is not None:
+        from dsv41_jax.model import attention
+
+        attention.RADIX_TOPK_MIN_ENTRIES = int(flags["--radix-topk"])
     cfg = bench_config()
     cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, routed_path=flags["--moe"]), weight_format=flags["--weights"],
                       attention=dataclasses.replace(cfg.attention, kernel_backend=flags["--kernels"].split(",")[0]))

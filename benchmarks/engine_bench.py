@@ -225,6 +225,12 @@ def moe_layer(cfg: Cfg.ModelConfig, batches, paths=("gather", "grouped"), reps=1
                               "share_of_4.3TBps": needed / (COPY_TB_PER_S * 1e12) / sec}), flush=True)
 
 
+def radix_topk():
+    from dsv41_jax.model import attention
+
+    return attention.RADIX_TOPK_MIN_ENTRIES
+
+
 def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None, loop=0):
     """One decode step per (batch, context); with ``profile`` (a directory), a trace of the last one's steps and
     its HLO under ``profile/b{batch}_c{context}`` for ``profile_split.py``.
@@ -301,7 +307,7 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None, loo
             accessed = analysis.get("bytes accessed", float("nan")) / max(loop, 1)
             floor = decode_floor(cfg, b, ctx)
             print(json.dumps({"bench": "decode_step", "mesh": None if mesh is None else dict(mesh.shape),
-                              "kernels": cfg.attention.kernel_backend,
+                              "kernels": cfg.attention.kernel_backend, "radix_topk": radix_topk(),
                               "moe": cfg.moe.routed_path, "loop": loop, "batch": b, "context": ctx, "ms": sec * 1e3,
                               "tokens_per_s": b / sec, "compile_s": compile_s, "cache_GB": cache_bytes / 1e9,
                               "weights_GB": weight_bytes / 1e9, "bytes_accessed_GB": accessed / 1e9,

@@ -12,6 +12,7 @@ gives its worst row's relative L2 distance from the XLA path. Bytes: what the ca
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import jax
@@ -19,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax import quant
-from dsv41_jax.model.sparse import sparse_attention
 from pallas_kernels import benchutil, devtime
+from pallas_kernels.sparse_attention import api
 from pallas_kernels.sparse_attention.packed_decode import sparse_decode
 
 N, H, W, K, T = 64, 512, 128, 512, 8192
@@ -41,11 +42,11 @@ def inputs(b: int, seed: int = 0):
     return q, own, sink, rv, re, ring_pos, kc, ks, topk, start, jnp.zeros((b,), jnp.int32)
 
 
-def xla_path(q, own, sink, rv, re, ring_pos, kc, ks, topk, start, floor):
+def xla_path(q, own, sink, rv, re, ring_pos, kc, ks, topk, start, floor, backend="xla"):
     ring = quant.unpack_fp8_ue8m0(rv, re, q.dtype)
     picked = quant.unpack_nvfp4(jax.vmap(lambda c, i: c[i])(kc, topk), jax.vmap(lambda c, i: c[i])(ks, topk), q.dtype)
-    return sparse_attention(q, own, sink, W, topk=topk, picked=picked, replay_start=floor, start=start, prefix_kv=ring,
-                            prefix_pos=ring_pos)
+    return api.sparse_attention(q, own, sink, W, topk=topk, picked=picked, replay_start=floor, start=start,
+                                prefix_kv=ring, prefix_pos=ring_pos, backend=backend)
 
 
 def main() -> None:
@@ -60,6 +61,8 @@ def main() -> None:
         x = inputs(b)
         need = b * (W * (H + H // 32) + K * (H // 2 + H // 16 + 4) + N * H * 2 * 2 + H * 2)
         forms = {"xla": jax.jit(xla_path)}
+        if gpu:  # the unpacked keys through the Mosaic kernel (where api.kernel_applies: batch >= 64)
+            forms["unpack+mosaic"] = jax.jit(functools.partial(xla_path, backend="pallas"))
         for c in args.configs.split(","):
             hb, blk, nw = (int(v) for v in c.split("x"))
             forms[f"kernel/{c}"] = jax.jit(lambda *a, hb=hb, blk=blk, nw=nw: sparse_decode(

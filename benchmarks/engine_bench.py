@@ -8,6 +8,8 @@ Usage: python benchmarks/engine_bench.py decode|prefill|decode+prefill|parts|cos
 [--weights=float|native] (native: the release's FP8 linears and MXFP4 experts with E8M0 scales, random codes)
 [--kernels=xla|pallas|xla,pallas] (attention.kernel_backend: pallas_kernels' kernels where they apply; a list
 measures each backend on the same weights)
+[--decode-kernels=0|1] (1: with --kernels=pallas, the Triton decode kernels: index_scan.api.GPU_KERNEL and
+sparse_attention.api.PACKED_DECODE)
 [--radix-topk=N] (decode: the KV sources' top-k by the radix select from N entries, attention.RADIX_TOPK_MIN_ENTRIES)
 [--loop=N] (decode: N steps in one compiled loop with the cache donated, as the generator runs them, per step)
 [--profile=DIR] (decode: a trace of 3 steps of each case and its HLO, for ``profile_split.py DIR/bB_cC --steps 3``).
@@ -225,6 +227,13 @@ def moe_layer(cfg: Cfg.ModelConfig, batches, paths=("gather", "grouped"), reps=1
                               "share_of_4.3TBps": needed / (COPY_TB_PER_S * 1e12) / sec}), flush=True)
 
 
+def decode_kernels() -> bool:
+    from pallas_kernels.index_scan import api as scan_api
+    from pallas_kernels.sparse_attention import api as sparse_api
+
+    return scan_api.GPU_KERNEL and sparse_api.PACKED_DECODE
+
+
 def radix_topk():
     from dsv41_jax.model import attention
 
@@ -308,6 +317,7 @@ def decode(graphdef, state, cfg, contexts, batches, mesh=None, profile=None, loo
             floor = decode_floor(cfg, b, ctx)
             print(json.dumps({"bench": "decode_step", "mesh": None if mesh is None else dict(mesh.shape),
                               "kernels": cfg.attention.kernel_backend, "radix_topk": radix_topk(),
+                              "decode_kernels": decode_kernels(),
                               "moe": cfg.moe.routed_path, "loop": loop, "batch": b, "context": ctx, "ms": sec * 1e3,
                               "tokens_per_s": b / sec, "compile_s": compile_s, "cache_GB": cache_bytes / 1e9,
                               "weights_GB": weight_bytes / 1e9, "bytes_accessed_GB": accessed / 1e9,
@@ -412,11 +422,16 @@ if __name__ == "__main__":
         shape = tuple(int(x) for x in arg.split("=")[1].split("x"))
         mesh = build_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
     flags = {"--moe": "auto", "--weights": "float", "--profile": None, "--loop": "0", "--kernels": "xla",
-             "--radix-topk": None}
+             "--radix-topk": None, "--decode-kernels": "0"}
     for arg in [a for a in sys.argv if a.split("=")[0] in flags]:
         sys.argv.remove(arg)
         flags[arg.split("=")[0]] = arg.split("=")[1]
     what = sys.argv[1] if len(sys.argv) > 1 else "decode"
+    if flags["--decode-kernels"] == "1":  # the Triton decode kernels under kernel_backend pallas
+        from pallas_kernels.index_scan import api as scan_api
+        from pallas_kernels.sparse_attention import api as sparse_api
+
+        scan_api.GPU_KERNEL = sparse_api.PACKED_DECODE = True
     if flags["--radix-topk"] is not None:
         from dsv41_jax.model import attention
 

@@ -136,11 +136,17 @@ def _query_grads(q, main, extra, idx, lse, g, scale):
 sparse_mqa.defvjp(_fwd, _bwd)
 
 
+# whether backend="pallas" takes the packed decode kernel on GPU: off until it has been compiled and timed on a
+# GPU against the XLA path and the Mosaic kernel (BENCHMARKS.md); its numerics are tested in the interpreter
+PACKED_DECODE = False
+
+
 def packed_decode_applies(q: jax.Array, backend: str) -> bool:
     """Whether ``backend`` runs a one-token chunk's attention straight from the packed caches
-    (:func:`packed_decode.sparse_decode`): ``pallas`` on a GPU, 16-bit activations, head blocks of 16."""
+    (:func:`packed_decode.sparse_decode`): ``pallas`` on a GPU with ``PACKED_DECODE``, 16-bit activations, head
+    blocks of 16."""
     b, s, n, h = q.shape
-    return (backend == "pallas" and jax.default_backend() == "gpu" and s == 1
+    return (PACKED_DECODE and backend == "pallas" and jax.default_backend() == "gpu" and s == 1
             and q.dtype in (jnp.bfloat16, jnp.float16) and n % 16 == 0 and h % 64 == 0)
 
 

@@ -9,6 +9,7 @@ index source, so each selection binds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -147,11 +148,9 @@ def _assert_as_close_to_fp32(xla: Transformer, pallas: Transformer) -> None:
 
 @pytest.mark.gpu
 def test_engine_backends_agree_on_device_bf16(tiny8_cfg):
-    """The same in bf16 activations, where the cache writes take the bf16 (pairs) pack and decode steps run the
-    Triton decode kernels (the index scan over the packed keys, the attention from the packed caches). Until
-    those kernels the two programs differed only by XLA's roundings around bit-exact kernels (2026-12-02, H200:
-    median row-relative 3.1e-3, largest 7.1e-3); the decode attention rounds P per key range, which this model
-    amplifies (:func:`_assert_as_close_to_fp32`)."""
+    """The same in bf16 activations, where the cache writes take the bf16 (pairs) pack. The two programs differ
+    by XLA's roundings around bit-exact kernels (2026-12-02, H200: median row-relative 3.1e-3, largest 7.1e-3);
+    held to fp32 as :func:`_assert_as_close_to_fp32` says."""
     cfg = tiny8_cfg.replace(dtype="bfloat16")
     xla = Transformer(cfg, rngs=nnx.Rngs(0))
     pcfg = cfg.replace(attention=dataclasses.replace(cfg.attention, kernel_backend="pallas"))
@@ -182,10 +181,25 @@ def _bf16_pair(tiny8_cfg):
 @pytest.mark.gpu
 def test_engine_with_the_attention_kernel_bf16(tiny8_cfg, kernel_everywhere):
     """The engine (ragged prefill over the packed caches, decode with the SWA ring and picked rows) with the
-    attention kernels in every layer (the Mosaic kernel in prefill, the packed decode kernel in decode steps)
-    against XLA, bf16, held to fp32 as :func:`_assert_as_close_to_fp32` says (the kernels' online softmax rounds
-    P to bf16 per key tile where XLA rounds it once)."""
+    Mosaic sparse attention kernel in every layer against XLA, bf16, held to fp32 as
+    :func:`_assert_as_close_to_fp32` says (the kernel's online softmax rounds P to bf16 per key tile where XLA
+    rounds it once)."""
     _assert_as_close_to_fp32(*_bf16_pair(tiny8_cfg))
+
+
+@pytest.mark.gpu
+def test_engine_with_the_decode_kernels_bf16(tiny8_cfg, monkeypatch):
+    """The Triton decode kernels on the device (the index scan over the packed MXFP4 keys, the attention from the
+    packed caches, switched on), bf16, held to fp32 as :func:`_assert_as_close_to_fp32` says."""
+    from pallas_kernels.index_scan import api as scan_api
+    from pallas_kernels.sparse_attention import api as sparse_api
+
+    monkeypatch.setattr(scan_api, "GPU_KERNEL", True)
+    monkeypatch.setattr(sparse_api, "PACKED_DECODE", True)
+    # 16 query heads: the kernel's smallest head block (the tensor cores' M)
+    cfg = tiny8_cfg.replace(attention=dataclasses.replace(tiny8_cfg.attention, n_heads=16))
+    xla, pallas = _bf16_pair(cfg)
+    _assert_as_close_to_fp32(xla, pallas)
 
 
 @pytest.mark.gpu
@@ -224,8 +238,6 @@ def test_engine_with_the_decode_kernels_interpreted(models, monkeypatch):
     the kernels take 16-bit activations and are held to fp32 by the gpu tests), so only summation orders differ:
     logits within 1e-5 row-relative, every top-k equal. (In bf16 this random tiny model is chaotic: XLA's own
     bf16 logits differ from fp32 by up to 0.8 row-relative, so a bf16 bound here would test the model.)"""
-    import functools
-
     from pallas_kernels.index_scan import api as scan_api
     from pallas_kernels.index_scan import triton as scan_triton
     from pallas_kernels.sparse_attention import api as sparse_api

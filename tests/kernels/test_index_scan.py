@@ -86,10 +86,15 @@ def test_kernel_lowers_to_triton_for_cuda():
     assert "xla.gpu.triton" in text and "index_scan" in text
 
 
+@pytest.fixture
+def gpu_kernel(monkeypatch):
+    monkeypatch.setattr(api, "GPU_KERNEL", True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [dict(b=1, n=32, t=2112), dict(b=32, n=32, t=8192, seed=1),
                                    dict(b=4, s=3, n=32, t=1000, seed=2)])
-def test_kernel_on_gpu(shape):
+def test_kernel_on_gpu(shape, gpu_kernel):
     x = _inputs(**shape)
     got = np.asarray(api.index_scores(*x, backend="pallas"))
     exact, mag = _terms(*x)
@@ -100,7 +105,7 @@ def test_kernel_on_gpu(shape):
 
 
 @pytest.mark.gpu
-def test_pallas_backend_above_max_queries_on_gpu():
+def test_pallas_backend_above_max_queries_on_gpu(gpu_kernel):
     x = _inputs(b=2, s=api.MAX_QUERIES + 1, n=32, t=700)
     with jax.default_matmul_precision("highest"):
         got = np.asarray(api.index_scores(*x, backend="pallas"))

@@ -45,16 +45,6 @@ class Indexer(nnx.Module):
         w = self.weights_proj(x).astype(jnp.float32) * (c.index_head_dim * c.index_n_heads) ** -0.5
         return iq, w
 
-    def scores(self, x: Float[Array, "B S D"], q_latent: Float[Array, "B S R"], positions: Int[Array, "B S"],
-               freqs, index_k: Float[Array, "B T I"], n_visible: Int[Array, "B S"],
-               lo: Int[Array, "B S"] | None = None) -> Float[Array, "B S T"]:
-        """``I[s, t] = Σ_h w[s, h]·ReLU(q[s, h]·k[t])``, −∞ unless ``lo[s] ≤ t < n_visible[s]`` (fp32).
-
-        ``lo`` (default 0) is the first entry of the query's document in a packed row.
-        """
-        iq, w = self.queries(x, q_latent, positions, freqs)
-        return visible_scores(index_scores(iq, w, index_k), n_visible, lo)
-
 
 def visible_scores(scores: Float[Array, "B S T"], n_visible: Int[Array, "B S"], lo: Int[Array, "B S"] | None = None
                    ) -> Float[Array, "B S T"]:

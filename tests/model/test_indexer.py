@@ -12,7 +12,15 @@ import pytest
 from flax import nnx
 
 from dsv41_jax import quant
-from dsv41_jax.model.indexer import Indexer, block_mask, candidate_block_ids, expand_blocks, select_topk
+from dsv41_jax.model.indexer import (
+    Indexer,
+    block_mask,
+    candidate_block_ids,
+    expand_blocks,
+    index_scores,
+    select_topk,
+    visible_scores,
+)
 from dsv41_jax.model.rope import rope_frequencies
 
 NEG_INF = -np.inf
@@ -165,7 +173,11 @@ def test_indexer_scores_equal_formula(tiny_cfg, rng):
     n_vis[0, 0], n_vis[1, -1] = 0, t
     freqs = rope_frequencies(a, "yarn")
 
-    fun = nnx.jit(lambda m, *args: m.scores(*args[:3], freqs, *args[3:]))
+    def scores(m, x, q_latent, pos, keys, n_vis):  # as Attention._select_scoped over a DenseKV
+        iq, w = m.queries(x, q_latent, pos, freqs)
+        return visible_scores(index_scores(iq, w, keys), n_vis)
+
+    fun = nnx.jit(scores)
     got = np.asarray(fun(idx, jnp.asarray(x), jnp.asarray(q_latent), jnp.asarray(pos), index_k, jnp.asarray(n_vis)))
 
     wq = np.asarray(idx.wq_b.weight[...], np.float64)

@@ -108,7 +108,8 @@ def select_topk(scores: Float[Array, "B S T"], k: int, n_visible: Int[Array, "B 
     if radix:
         if lo is not None or k > scores.shape[-1]:
             raise ValueError("select_topk: the radix select takes rows without documents and k <= T")
-        idx = block_max_api.select_blocks(scores, k, selection="radix", backend=backend)  # ascending, −1 padded
+        # ascending, −1 padded; per device on its own rows, as top_k below
+        idx = batch_local(lambda v: block_max_api.select_blocks(v, k, selection="radix", backend=backend), scores)
         return jnp.where(idx < n_visible[..., None], idx, -1).astype(jnp.int32)
     idx = batch_local(lambda v: jax.lax.top_k(v, min(k, v.shape[-1]))[1], scores)
     idx = jnp.sort(idx, axis=-1)

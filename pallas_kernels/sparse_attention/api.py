@@ -10,6 +10,10 @@ reference: the indexer's probability mass (``return_mass``), head dims the kerne
 of 64 up to 512), fp32 activations and calls too small to fill the GPU (``MIN_CTAS``); and the CPU. On TPU
 ``backend="pallas"`` runs ``tpu.sparse_mqa`` (Mosaic TPU; numerics checked in the interpreter, not yet run on
 a TPU) forward and ``tpu.sparse_mqa_bwd`` backward, the same formula as the XLA one.
+
+Decode steps can skip the unpacked keys altogether: :func:`sparse_decode` (``packed_decode.py``, Triton) reads
+the SWA ring and the picked rows in their cache formats; the engine's store calls it
+(:meth:`dsv41_jax.cache.PackedKV.packed_attention`) where :func:`packed_decode_applies`.
 """
 
 from __future__ import annotations
@@ -152,7 +156,8 @@ def packed_decode_applies(q: jax.Array, backend: str) -> bool:
 
 def sparse_decode(q, own_kv, sink, window: int, ring_values, ring_exps, ring_pos, kv_codes, kv_scales, topk, start,
                   floor) -> Float[Array, "B 1 N H"]:
-    """:func:`packed_decode.sparse_decode` with the variant measured fastest (BENCHMARKS.md)."""
+    """:func:`packed_decode.sparse_decode` in its default variant (16 heads a program, key tiles of 32, 4 warps:
+    not yet tuned on a GPU; ``bench_packed.py`` times the others)."""
     floor = jnp.broadcast_to(jnp.asarray(floor, jnp.int32), start.shape)
     return packed_decode.sparse_decode(q, own_kv, jnp.asarray(sink), window, ring_values, ring_exps, ring_pos, kv_codes,
                                        kv_scales, topk, start, floor)

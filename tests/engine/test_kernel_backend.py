@@ -137,10 +137,12 @@ def _distances_from_fp32(xla: Transformer, pallas: Transformer) -> tuple[np.ndar
 
 
 def _assert_as_close_to_fp32(xla: Transformer, pallas: Transformer) -> None:
-    """bf16 engines are held to fp32, not to each other. This random tiny model amplifies bf16 roundings: XLA's
-    own bf16 logits are 0.05-0.8 row-relative from fp32 (CPU, two seeds), and a kernel that rounds one attention
-    output differently by a bf16 ulp moves a later row by as much. So: the pallas program's mean distance from
-    fp32 within 1.5x XLA's own (+0.02), every row finite."""
+    """The decode kernels' bf16 engine is held to fp32, not to XLA's bf16 engine. This random tiny model amplifies
+    bf16 roundings: XLA's own bf16 logits are 0.05-0.8 row-relative from fp32 (CPU, two seeds), and with the packed
+    decode attention interpreted (P rounded per key range, each output within a bf16 ulp of XLA's) the decode rows
+    moved 0.03-0.31 from XLA's bf16 ones while staying as close to fp32 (mean 0.262 vs XLA's 0.287). So: the
+    pallas program's mean distance from fp32 within 1.5x XLA's own (+0.02), every row finite. (The other bf16 tests
+    compare backends whose kernels round as XLA does, or the Mosaic kernel, measured within 5e-2 on the H200.)"""
     d_xla, d_pallas = _distances_from_fp32(xla, pallas)
     print({"xla_from_fp32": np.round(d_xla, 4).tolist(), "pallas_from_fp32": np.round(d_pallas, 4).tolist()})
     assert np.isfinite(d_pallas).all() and d_pallas.mean() <= 1.5 * d_xla.mean() + 0.02, (d_xla, d_pallas)
@@ -148,15 +150,27 @@ def _assert_as_close_to_fp32(xla: Transformer, pallas: Transformer) -> None:
 
 @pytest.mark.gpu
 def test_engine_backends_agree_on_device_bf16(tiny8_cfg):
-    """The same in bf16 activations, where the cache writes take the bf16 (pairs) pack. The two programs differ
-    by XLA's roundings around bit-exact kernels (2026-12-02, H200: median row-relative 3.1e-3, largest 7.1e-3);
-    held to fp32 as :func:`_assert_as_close_to_fp32` says."""
+    """The same in bf16 activations, where the cache writes take the bf16 (pairs) pack. The two programs'
+    roundings around the kernels differ at bf16's precision here, and a flipped FP4 code moves a logit by
+    a quantum of the format. The bound (median row-relative difference < 1e-2, a few bf16 ulps; largest < 5e-2)
+    is chosen above what the H200 gave (2026-12-02): with the pack, then XLA's scatter, median 0, largest
+    1.9e-3, >= 99.2% of each cache's bytes equal; with the fused write, median 3.1e-3, largest 7.1e-3, >= 90.6%
+    equal."""
     cfg = tiny8_cfg.replace(dtype="bfloat16")
     xla = Transformer(cfg, rngs=nnx.Rngs(0))
     pcfg = cfg.replace(attention=dataclasses.replace(cfg.attention, kernel_backend="pallas"))
     pallas = nnx.eval_shape(lambda: Transformer(pcfg, rngs=nnx.Rngs(0)))
     nnx.update(pallas, nnx.state(xla))
-    _assert_as_close_to_fp32(xla, pallas)
+    want, want_cache, _, _ = _generate(xla)
+    got, got_cache, _, _ = _generate(pallas)
+    want, got = want.astype(np.float32), got.astype(np.float32)
+    rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    codes_equal = [float((np.asarray(g).view(np.uint8) == np.asarray(w).view(np.uint8)).mean())
+                   for g, w in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True) if w.size]
+    print({"logits_bit_equal": bool((got == want).all()), "min_cache_bytes_equal": min(codes_equal),
+           "max_abs_diff": float(np.abs(got - want).max()), "median_row_rel": float(np.median(rel)),
+           "max_row_rel": float(rel.max())})
+    assert np.isfinite(want).all() and np.median(rel) < 1e-2 and rel.max() < 5e-2, rel
 
 
 @pytest.fixture
@@ -181,10 +195,14 @@ def _bf16_pair(tiny8_cfg):
 @pytest.mark.gpu
 def test_engine_with_the_attention_kernel_bf16(tiny8_cfg, kernel_everywhere):
     """The engine (ragged prefill over the packed caches, decode with the SWA ring and picked rows) with the
-    Mosaic sparse attention kernel in every layer against XLA, bf16, held to fp32 as
-    :func:`_assert_as_close_to_fp32` says (the kernel's online softmax rounds P to bf16 per key tile where XLA
-    rounds it once)."""
-    _assert_as_close_to_fp32(*_bf16_pair(tiny8_cfg))
+    Mosaic sparse attention kernel in every layer against XLA, bf16: the same bound as the bf16 test above (the
+    kernel's online softmax rounds P to bf16 per key tile where XLA rounds it once)."""
+    xla, pallas = _bf16_pair(tiny8_cfg)
+    want = _generate(xla)[0].astype(np.float32)
+    got = _generate(pallas)[0].astype(np.float32)
+    rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    print({"median_row_rel": float(np.median(rel)), "max_row_rel": float(rel.max())})
+    assert np.isfinite(want).all() and np.median(rel) < 1e-2 and rel.max() < 5e-2, rel
 
 
 @pytest.mark.gpu

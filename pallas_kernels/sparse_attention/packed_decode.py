@@ -32,12 +32,14 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int, Shaped, UInt8
 
 from pallas_kernels.fp4_pack.decode import e2m1_value, e4m3_value, e8m0_value
+from pallas_kernels.fp4_pack.layout import as_bytes
 
 SWA_GROUP, MAIN_GROUP = 32, 16  # lanes per scale: the ring's UE8M0, the main KV's E4M3 (spec §7.1, §7.2)
 
 
 def _kernel(meta_ref, qe_ref, qo_ref, rv_ref, re_ref, rpos_ref, codes_ref, scales_ref, topk_ref,
-            m_ref, l_ref, ae_ref, ao_ref, *, heads: int, block: int, window: int, picks: int, ring_tiles: int,
+            m_ref, l_ref, ae_ref, ao_ref, *, heads: int, block: int, window: int, picks: int, entries: int,
+            ring_tiles: int,
             per_split: int, tiles: int, scale: float):
     b, hb, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hs = pl.ds(hb * heads, heads)
@@ -78,7 +80,7 @@ def _kernel(meta_ref, qe_ref, qo_ref, rv_ref, re_ref, rpos_ref, codes_ref, scale
         inside = i < picks
         idx = topk_ref[b, jnp.minimum(i, picks - 1)]
         ok = inside & (idx >= 0)
-        rows = jnp.maximum(idx, 0)[:, None]
+        rows = jnp.clip(idx, 0, entries - 1)[:, None]  # as XLA's gather clamps: no load past the cache
         c = codes_ref[b, rows, lanes[None, :]].astype(jnp.int32)
         sc = e4m3_value(scales_ref[b, rows, (2 * lanes[None, :]) // MAIN_GROUP].astype(jnp.int32))
         ke = (e2m1_value(c & 0xF) * sc).astype(dt)
@@ -154,11 +156,11 @@ def sparse_decode(
     per_split = -(-tiles // splits)
     splits = -(-tiles // per_split)
     scale = h ** -0.5
-    kernel = functools.partial(_kernel, heads=heads, block=block, window=window, picks=picks, ring_tiles=ring_tiles,
-                               per_split=per_split, tiles=tiles, scale=scale)
+    kernel = functools.partial(_kernel, heads=heads, block=block, window=window, picks=picks,
+                               entries=kv_codes.shape[1], ring_tiles=ring_tiles, per_split=per_split, tiles=tiles,
+                               scale=scale)
     f32 = jnp.float32
     meta = jnp.stack([start, floor], axis=1).astype(jnp.int32)
-    as_bytes = lambda x: x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
     qv = q[:, 0]
     m, den, ae, ao = pl.pallas_call(
         kernel,

@@ -277,6 +277,14 @@ def test_packed_decode_equals_the_model_attention_fp32(case):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6, err_msg=case)
 
 
+def test_packed_decode_clamps_a_pick_past_the_cache_as_xla():
+    """A pick at or past the cache's last entry reads that entry, as XLA's gather does (never memory past it)."""
+    x = _packed_inputs(dtype=jnp.float32)
+    x["topk"] = x["topk"].at[:, :, :3].set(jnp.asarray([49, 50, 10 ** 6], jnp.int32))  # T = 50
+    got, want = _packed_got(x, block=8), _packed_want(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
+
+
 def test_packed_decode_bf16_within_the_rounding_of_p():
     """bf16: P is rounded against each range's max instead of the global one, ~2^-9 relative per probability;
     held at 1e-2 row-relative (measured here: ~3e-3)."""

@@ -3,8 +3,9 @@ names; :class:`~dsv41_jax.model.attention.Attention` calls it, once.
 
 ``backend="xla"`` is the reference, :func:`dsv41_jax.model.sparse.sparse_attention`. ``backend="pallas"`` on a
 GPU rewrites the arguments into two key arrays and a row list per query (``layout.key_rows``) and runs the
-Mosaic GPU kernel (``mosaic.sparse_mqa``) forward; its gradient (:func:`sparse_mqa`'s VJP) is computed in XLA
-from the kernel's log-sum-exp, without a second softmax pass: dQ, dKV summed into the key rows in fp32 (an
+Mosaic GPU kernel (``mosaic.sparse_mqa``) forward; its gradient (:func:`sparse_mqa`'s VJP) is computed from the
+kernel's log-sum-exp, without a second softmax pass, in XLA (or in one Triton kernel, ``triton_bwd``, with
+``TRITON_BACKWARD``): dQ, dKV summed into the key rows in fp32 (an
 entry is read by many queries), and the sink's gradient. Where the kernel does not apply it falls back to the
 reference: the indexer's probability mass (``return_mass``), head dims the kernel does not take (a multiple
 of 64 up to 512), fp32 activations and calls too small to fill the GPU (``MIN_CTAS``); and the CPU. On TPU
@@ -26,7 +27,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from dsv41_jax.model import sparse as xla
-from pallas_kernels.sparse_attention import layout, mosaic, packed_decode, tpu
+from pallas_kernels.sparse_attention import layout, mosaic, packed_decode, tpu, triton_bwd
 
 BACKENDS = ("xla", "pallas")
 
@@ -79,6 +80,11 @@ def kernel_applies(q: jax.Array) -> bool:
 
 _KERNELS = {"gpu": mosaic.sparse_mqa, "tpu": tpu.sparse_mqa}
 
+# whether the GPU backward runs ``triton_bwd.sparse_mqa_bwd`` (dQ and dKV in one kernel, the row gradients added
+# into dKV by fp32 atomics) instead of XLA's gather + per-query products + fp32 scatter: off until it has been
+# compiled and timed on a GPU (BENCHMARKS.md); its numerics are tested in the interpreter
+TRITON_BACKWARD = False
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def sparse_mqa(q: Float[Array, "B S N H"], main: Float[Array, "B T H"], extra: Float[Array, "B E H"],
@@ -96,11 +102,16 @@ def _fwd(q, main, extra, idx, sink, scale, interpret, platform):
 
 def _bwd(scale, interpret, platform, res, g):
     """Flash-attention backward over the row lists, from the forward's log-sum-exp (spec §3.6's softmax with
-    the sink: p_sink = exp(sink − lse), and its value is zero, so d sink = −Σ p_sink · Σ_l p_l dp_l). Each
-    query's dQ, row gradients and Σ p·dp come from the Mosaic TPU kernel on TPU, else from XLA; the row
-    gradients are then summed into the key arrays in fp32 (an entry is read by many queries)."""
+    the sink: p_sink = exp(sink − lse), and its value is zero, so d sink = −Σ p_sink · Σ_l p_l dp_l). On GPU
+    with ``TRITON_BACKWARD`` one Triton kernel gives dQ, dKV and Σ p·dp (``triton_bwd``); otherwise each query's
+    dQ, row gradients and Σ p·dp come from the Mosaic TPU kernel on TPU, else from XLA, and the row gradients
+    are then summed into the key arrays in fp32 (an entry is read by many queries)."""
     q, main, extra, idx, sink, lse = res
     t = main.shape[1]
+    if platform == "gpu" and TRITON_BACKWARD and triton_bwd.applies(q, idx.shape[-1]):
+        dq, dmain, dextra, delta = triton_bwd.sparse_mqa_bwd(q, main, extra, idx, lse, g, scale, interpret=interpret)
+        dsink = -(jnp.exp(sink.astype(jnp.float32) - lse) * delta).sum((0, 1))
+        return dq, dmain.astype(main.dtype), dextra.astype(extra.dtype), None, dsink.astype(sink.dtype)
     if platform == "tpu":
         dq, dkeys, delta = tpu.sparse_mqa_bwd(q, main, extra, idx, lse, g, scale, interpret=interpret)
     else:

@@ -1,9 +1,10 @@
 """sparse_attention on the device: the Mosaic kernel against the XLA reference at V4.1's geometry, one JSON
 line per measurement (median of ``--iters`` runs; decode-sized calls by profiler device time).
 
-``python -m pallas_kernels.sparse_attention.bench [--check] [--iters 20]``. ``--check`` first compares the
-kernel with the reference (relative L2 per output row, forward and both gradients) and prints the worst
-row. TFLOP/s count the work actually done: 4·N·H flops per visible key of each query (Q·K and P·V).
+``python -m pallas_kernels.sparse_attention.bench [--check] [--iters 20] [--only release|small|backward]``.
+``--check`` first compares the kernel (with the XLA backward and with the Triton one) with the reference
+(relative L2 per output row, forward and both gradients) and prints the worst row. TFLOP/s count the work
+actually done: 4·N·H flops per visible key of each query (Q·K and P·V).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import benchutil, devtime
-from pallas_kernels.sparse_attention import api, layout, reference
+from pallas_kernels.sparse_attention import api, layout, reference, triton_bwd
 from pallas_kernels.sparse_attention import mosaic as mk
 
 N, H, WINDOW, TOPK = 64, 512, 128, 512  # release geometry (spec attention §3)
@@ -75,9 +76,11 @@ def check(b, s, t, n, h, **kw) -> None:
         want = jax.jit(ref)(f32(q), f32(main), f32(extra), idx, sink)
         dwant = grads(ref, f32(q), f32(main), f32(extra), sink)
         _, wlse = jax.jit(reference.sparse_mqa, static_argnums=5)(f32(q), f32(main), f32(extra), idx, sink, scale)
-    for name, fn in (("kernel", ker), ("xla_bf16", ref)):
+    for name, fn in (("kernel", ker), ("kernel+triton_bwd", ker), ("xla_bf16", ref)):
+        api.TRITON_BACKWARD = name == "kernel+triton_bwd"  # read when the gradient is traced
         out = jax.jit(fn)(q, main, extra, idx, sink)
         d = grads(fn, q, main, extra, sink)
+        api.TRITON_BACKWARD = False
         row = {"check": [b, s, t, n, h], **kw, "impl": name, "out": rel_l2_rows(out, want),
                "dq": rel_l2_rows(d[0], dwant[0]), "dmain": rel_l2_rows(d[1], dwant[1]),
                "dextra": rel_l2_rows(d[2], dwant[2]),
@@ -121,15 +124,33 @@ def forward(b: int, s: int, t: int, iters: int, *, n: int = N, h: int = H, slots
 
 
 def backward(b: int, s: int, t: int, iters: int, *, n: int = N, h: int = H) -> None:
+    """The backward alone (the Triton kernel against XLA's gather + products + fp32 scatter, from the same
+    log-sum-exp), then forward + backward through the model's call on each backend."""
     args, _ = inputs(b, s, t, n=n, h=h)
     q, wkv, sink, window, ckv, top = args
     g = jnp.ones(q.shape, q.dtype)
-    _, _, idx = layout.key_rows(wkv, window, ckv, top, dtype=q.dtype)
+    main, extra, idx = layout.key_rows(wkv, window, ckv, top, dtype=q.dtype)
     flops = 2 * 4 * n * h * visible_keys(idx)  # dS·K, dS·Q, P·dO and dP = dO·K: twice the forward
-    for name in ("pallas", "xla"):
-        def loss(q, wkv, ckv, sink, name=name):
-            return (api.sparse_attention(q, wkv, sink, window, ckv, top, backend=name) * g).sum()
+    scale = h ** -0.5
+    lse = jax.jit(lambda *a: reference.sparse_mqa(*a, scale)[1])(q, main, extra, idx, sink)
+    alone = {
+        "triton_bwd": jax.jit(lambda *a: triton_bwd.sparse_mqa_bwd(*a, scale)[:3]),
+        "xla": jax.jit(lambda q, m, e, i, lse_, g: api._bwd(scale, False, "cpu", (q, m, e, i, sink, lse_), g)[:3]),
+    }
+    for name, fn in alone.items():
+        us = timed(fn, q, main, extra, idx, lse, g, iters=iters)
+        tf = flops / us / 1e6
+        print(json.dumps({"op": "backward", "impl": name, "b": b, "s": s, "t": t, "n": n, "h": h, "us": round(us, 1),
+                          "tflops": round(tf, 1), "peak_share": round(tf / PEAK_TFLOPS, 3),
+                          "device": jax.devices()[0].device_kind, "jax": jax.__version__}), flush=True)
+    for name, backend, triton in (("pallas+triton_bwd", "pallas", True), ("pallas", "pallas", False),
+                                  ("xla", "xla", False)):
+        def loss(q, wkv, ckv, sink, backend=backend):
+            return (api.sparse_attention(q, wkv, sink, window, ckv, top, backend=backend) * g).sum()
+        api.TRITON_BACKWARD = triton  # read when the gradient is traced (the first call)
         fn = jax.jit(jax.grad(loss, (0, 1, 2, 3)))
+        fn(q, wkv, ckv, sink)
+        api.TRITON_BACKWARD = False
         us = timed(fn, q, wkv, ckv, sink, iters=iters)
         tf = flops / us / 1e6  # the forward (recomputed or not) is inside the timed grad
         print(json.dumps({"op": "forward+backward", "impl": name, "b": b, "s": s, "t": t, "n": n, "h": h,
@@ -142,9 +163,14 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--check", action="store_true")
     p.add_argument("--long", action="store_true", help="also 64K queries")
-    p.add_argument("--only", choices=["release", "small"], default=None,
-                   help="release: 64 heads x 512; small: configs/small.yaml's 16 heads x 256 at 8K")
+    p.add_argument("--only", choices=["release", "small", "backward"], default=None,
+                   help="release: 64 heads x 512; small: configs/small.yaml's 16 heads x 256 at 8K; backward: the "
+                        "backward rows of both")
     args = p.parse_args()
+    if args.only == "backward":
+        backward(1, 8192, 2048, max(3, args.iters // 2), n=16, h=256)
+        backward(1, 8192, 2048, max(3, args.iters // 2))
+        return
     if args.only == "small":
         forward(1, 8192, 2048, args.iters, n=16, h=256, slots=(2, 3))
         backward(1, 8192, 2048, max(3, args.iters // 2), n=16, h=256)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.model.sparse import sparse_attention
-from pallas_kernels.sparse_attention import api, layout, mosaic, reference, tpu
+from pallas_kernels.sparse_attention import api, layout, mosaic, reference, tpu, triton_bwd
 
 W, T = 8, 20
 
@@ -322,3 +322,98 @@ def test_packed_decode_on_gpu(b):
     rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
     print({"max_row_rel": float(rel.max())})
     assert rel.max() < 1e-2, rel.max()
+
+
+# ----------------------------------------------------------------------------------------------------
+# the backward in one Triton kernel (triton_bwd): against the XLA backward
+
+
+def _unique_picks(x, entries=200, seed=3):
+    """``x`` with ``entries`` compressed entries and top-k lists without repeats (as the indexer's): the
+    interpreter's atomic add is a gather + set, which keeps one of a repeated row's additions."""
+    rng = np.random.default_rng(seed)
+    b, s, k = x["topk"].shape
+    picks = rng.permuted(np.tile(np.arange(entries), (b * s, 1)), axis=1)[:, :k].reshape(b, s, k)
+    topk = np.where(rng.random((b, s, k)) < 0.75, picks, -1)
+    ckv = rng.standard_normal((b, entries, x["ckv"].shape[-1]))
+    return x | dict(topk=jnp.asarray(topk, jnp.int32), ckv=jnp.asarray(ckv, x["ckv"].dtype))
+
+
+def _xla_backward(q, main, extra, idx, lse, g, scale):
+    """``api``'s XLA backward: per-row gradients, then the fp32 sum into the two key arrays."""
+    dq, dkeys, delta = api._query_grads(q, main, extra, idx, lse, g, scale)
+    kv = jnp.zeros((q.shape[0], main.shape[1] + extra.shape[1], q.shape[-1]), jnp.float32)
+    dkv = jax.vmap(lambda z, i, d: z.at[i].add(d, mode="drop"))(kv, jnp.where(idx >= 0, idx, kv.shape[1]), dkeys)
+    return dq, dkv[:, :main.shape[1]], dkv[:, main.shape[1]:], delta
+
+
+@pytest.mark.parametrize("n, case", [(8, 5), (20, 3)])
+def test_interpreted_triton_backward_equals_the_xla_backward(n, case):
+    """dQ, dKV (every query's rows summed) and Σ p·dp: fp32 to summation order; bf16 within the bound of the XLA
+    path's own error against fp32. 8 heads are padded to one block of 16, 20 to two (their dKV adds up); ring +
+    top-k + replay floor (case 5) and top-k + documents (case 3), ragged picks over several key tiles, batch 2."""
+    x = _unique_picks(_inputs(b=2, s=3, n=n, h=128, k=150))
+    main, extra, idx = _rows(x, _cases(x)[case][1])
+    assert idx.shape[-1] % triton_bwd.KEYS == 0 and bool((idx < 0).any())
+    scale = 128 ** -0.5
+    g = jnp.asarray(np.random.default_rng(2).standard_normal(x["q"].shape), jnp.float32)
+
+    def both(dt):
+        q, m, e = (v.astype(dt) for v in (x["q"], main, extra))
+        lse = reference.sparse_mqa(q, m, e, idx, x["sink"], scale)[1]
+        return (triton_bwd.sparse_mqa_bwd(q, m, e, idx, lse, g, scale, interpret=True),
+                _xla_backward(q, m, e, idx, lse, g.astype(dt), scale))
+
+    got, want = both(jnp.float32)
+    for name, a, b in zip(("dq", "dmain", "dextra", "delta"), got, want, strict=True):
+        assert _rel_rows(a, b) < 1e-5, name
+    (bq, bm, be, bd), (xq, xm, xe, xd) = both(jnp.bfloat16)
+    for name, k, x_, w in zip(("dq", "dmain", "dextra", "delta"), (bq, bm, be, bd), (xq, xm, xe, xd), want,
+                              strict=True):
+        assert _rel_rows(k, w) <= 1.5 * _rel_rows(x_, w) + 1e-3, name
+
+
+def test_interpreted_triton_backward_through_the_vjp(monkeypatch):
+    """With ``api.TRITON_BACKWARD`` on, ``sparse_mqa``'s VJP on the GPU platform takes the Triton backward: the
+    gradients of the interpreted forward equal the reference's autodiff (fp32)."""
+    monkeypatch.setattr(api, "TRITON_BACKWARD", True)
+    calls = []
+    real = triton_bwd.sparse_mqa_bwd
+    monkeypatch.setattr(triton_bwd, "sparse_mqa_bwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = _unique_picks(_inputs(b=2, s=2, n=4, h=128, k=40))
+    main, extra, idx = _rows(x, _cases(x)[5][1])
+    _check_kernel(x, main, extra, idx, 128 ** -0.5, platform="gpu")
+    assert calls
+
+
+def test_triton_backward_lowers_to_triton_for_cuda():
+    b, s, n, h, t, L = 1, 16, 16, 256, 300, 640
+    avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
+        ((b, s, n, h), jnp.bfloat16), ((b, t, h), jnp.bfloat16), ((b, s, h), jnp.bfloat16), ((b, s, L), jnp.int32),
+        ((b, s, n), jnp.float32), ((b, s, n, h), jnp.bfloat16)]]
+    fn = functools.partial(triton_bwd.sparse_mqa_bwd, scale=h ** -0.5)
+    text = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        z = jnp.zeros((1, 1, 16, 96), jnp.bfloat16)
+        triton_bwd.sparse_mqa_bwd(z, z[:, 0], z[:, 0], jnp.zeros((1, 1, 64), jnp.int32), jnp.zeros((1, 1, 16)), z,
+                                  0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, h", [(16, 256), (64, 512)])
+def test_triton_backward_on_gpu(n, h):
+    """Compiled, bf16: dQ, dKV and Σ p·dp within 1.5x the XLA backward's own bf16 error against fp32."""
+    x = _unique_picks(_inputs(b=1, s=200, n=n, h=h, k=96, dtype=jnp.bfloat16), entries=400)
+    main, extra, idx = _rows(x, _cases(x)[3][1])
+    scale = h ** -0.5
+    g = jnp.asarray(np.random.default_rng(2).standard_normal(x["q"].shape), jnp.bfloat16)
+    f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
+    lse = jax.jit(lambda *a: reference.sparse_mqa(*a, scale)[1])(x["q"], main, extra, idx, x["sink"])
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(functools.partial(_xla_backward, scale=scale))(f32(x["q"]), f32(main), f32(extra), idx, lse,
+                                                                      f32(g))
+    got = jax.jit(functools.partial(triton_bwd.sparse_mqa_bwd, scale=scale))(x["q"], main, extra, idx, lse, g)
+    xla = jax.jit(functools.partial(_xla_backward, scale=scale))(x["q"], main, extra, idx, lse, g)
+    for name, k, x_, w in zip(("dq", "dmain", "dextra", "delta"), got, xla, want, strict=True):
+        assert _rel_rows(k, w) <= 1.5 * _rel_rows(x_, w) + 1e-3, name

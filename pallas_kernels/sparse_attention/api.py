@@ -3,8 +3,9 @@ names; :class:`~dsv41_jax.model.attention.Attention` calls it, once.
 
 ``backend="xla"`` is the reference, :func:`dsv41_jax.model.sparse.sparse_attention`. ``backend="pallas"`` on a
 GPU rewrites the arguments into two key arrays and a row list per query (``layout.key_rows``) and runs the
-Mosaic GPU kernel (``mosaic.sparse_mqa``) forward; its gradient (:func:`sparse_mqa`'s VJP) is computed from the
-kernel's log-sum-exp, without a second softmax pass, in XLA (or in one Triton kernel, ``triton_bwd``, with
+Mosaic GPU kernel (``mosaic.sparse_mqa``) forward (or, for fewer than 64 heads with ``TRITON_FORWARD``, the
+Triton one, ``triton_mqa.sparse_mqa``); its gradient (:func:`sparse_mqa`'s VJP) is computed from the
+kernel's log-sum-exp, without a second softmax pass, in XLA (or in one Triton kernel, ``triton_mqa``, with
 ``TRITON_BACKWARD``): dQ, dKV summed into the key rows in fp32 (an
 entry is read by many queries), and the sink's gradient. Where the kernel does not apply it falls back to the
 reference: the indexer's probability mass (``return_mass``), head dims the kernel does not take (a multiple
@@ -27,7 +28,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from dsv41_jax.model import sparse as xla
-from pallas_kernels.sparse_attention import layout, mosaic, packed_decode, tpu, triton_bwd
+from pallas_kernels.sparse_attention import layout, mosaic, packed_decode, tpu, triton_mqa
 
 BACKENDS = ("xla", "pallas")
 
@@ -58,7 +59,7 @@ def sparse_attention(
         return xla.sparse_attention(q, window_kv, sink, window, compressed_kv, topk, replay_start,
                                     return_mass=return_mass, causal=causal, **kw)
     main, extra, idx = layout.key_rows(window_kv, window, compressed_kv, topk, replay_start, dtype=q.dtype, **kw)
-    return sparse_mqa(q, main, extra, idx, sink, q.shape[-1] ** -0.5, False, jax.default_backend())
+    return sparse_mqa(q, main, extra, idx, sink, q.shape[-1] ** -0.5, False, kernel_platform(q, idx.shape[-1]))
 
 
 # The kernel runs a CTA per query and group of 64 heads: below this many the GPU is mostly idle, and on the
@@ -78,9 +79,23 @@ def kernel_applies(q: jax.Array) -> bool:
             and b * s * -(-n // mosaic.HEADS) >= MIN_CTAS)
 
 
-_KERNELS = {"gpu": mosaic.sparse_mqa, "tpu": tpu.sparse_mqa}
+_KERNELS = {"gpu": mosaic.sparse_mqa, "triton": triton_mqa.sparse_mqa, "tpu": tpu.sparse_mqa}
 
-# whether the GPU backward runs ``triton_bwd.sparse_mqa_bwd`` (dQ and dKV in one kernel, the row gradients added
+# whether queries of fewer heads than the Mosaic kernel's 64-row tile take the Triton forward (``triton_mqa``,
+# 16 heads a program) on GPU: off until it has been compiled and timed there against the Mosaic kernel, which
+# pads 16 heads to 64 rows (BENCHMARKS.md); its numerics are tested in the interpreter
+TRITON_FORWARD = False
+
+
+def kernel_platform(q: jax.Array, rows: int) -> str:
+    """Which kernel :func:`sparse_mqa` runs for queries that :func:`kernel_applies` to: ``"tpu"``; on GPU
+    ``"triton"`` for fewer than 64 heads with ``TRITON_FORWARD``, else ``"gpu"`` (Mosaic)."""
+    backend = jax.default_backend()
+    if backend == "gpu" and TRITON_FORWARD and q.shape[2] < mosaic.HEADS and triton_mqa.applies(q, rows):
+        return "triton"
+    return backend
+
+# whether the GPU backward runs ``triton_mqa.sparse_mqa_bwd`` (dQ and dKV in one kernel, the row gradients added
 # into dKV by fp32 atomics) instead of XLA's gather + per-query products + fp32 scatter: off until it has been
 # compiled and timed on a GPU (BENCHMARKS.md); its numerics are tested in the interpreter
 TRITON_BACKWARD = False
@@ -91,7 +106,8 @@ def sparse_mqa(q: Float[Array, "B S N H"], main: Float[Array, "B T H"], extra: F
                idx: Int[Array, "B S L"], sink: Float[Array | np.ndarray, "N"], scale: float, interpret: bool = False,
                platform: str = "gpu") -> Float[Array, "B S N H"]:
     """The output of ``platform``'s kernel (``reference.sparse_mqa`` without the log-sum-exp), differentiable;
-    ``interpret`` runs it in the Pallas interpreter (CPU tests)."""
+    ``platform`` is ``"gpu"`` (Mosaic GPU), ``"triton"`` or ``"tpu"``; ``interpret`` runs it in the Pallas
+    interpreter (CPU tests)."""
     return _KERNELS[platform](q, main, extra, idx, sink, scale, interpret=interpret)[0]
 
 
@@ -103,13 +119,13 @@ def _fwd(q, main, extra, idx, sink, scale, interpret, platform):
 def _bwd(scale, interpret, platform, res, g):
     """Flash-attention backward over the row lists, from the forward's log-sum-exp (spec §3.6's softmax with
     the sink: p_sink = exp(sink − lse), and its value is zero, so d sink = −Σ p_sink · Σ_l p_l dp_l). On GPU
-    with ``TRITON_BACKWARD`` one Triton kernel gives dQ, dKV and Σ p·dp (``triton_bwd``); otherwise each query's
+    with ``TRITON_BACKWARD`` one Triton kernel gives dQ, dKV and Σ p·dp (``triton_mqa``); otherwise each query's
     dQ, row gradients and Σ p·dp come from the Mosaic TPU kernel on TPU, else from XLA, and the row gradients
     are then summed into the key arrays in fp32 (an entry is read by many queries)."""
     q, main, extra, idx, sink, lse = res
     t = main.shape[1]
-    if platform == "gpu" and TRITON_BACKWARD and triton_bwd.applies(q, idx.shape[-1]):
-        dq, dmain, dextra, delta = triton_bwd.sparse_mqa_bwd(q, main, extra, idx, lse, g, scale, interpret=interpret)
+    if platform in ("gpu", "triton") and TRITON_BACKWARD and triton_mqa.applies(q, idx.shape[-1]):
+        dq, dmain, dextra, delta = triton_mqa.sparse_mqa_bwd(q, main, extra, idx, lse, g, scale, interpret=interpret)
         dsink = -(jnp.exp(sink.astype(jnp.float32) - lse) * delta).sum((0, 1))
         return dq, dmain.astype(main.dtype), dextra.astype(extra.dtype), None, dsink.astype(sink.dtype)
     if platform == "tpu":

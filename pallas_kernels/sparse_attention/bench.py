@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import benchutil, devtime
-from pallas_kernels.sparse_attention import api, layout, reference, triton_bwd
+from pallas_kernels.sparse_attention import api, layout, reference, triton_mqa
 from pallas_kernels.sparse_attention import mosaic as mk
 
 N, H, WINDOW, TOPK = 64, 512, 128, 512  # release geometry (spec attention §3)
@@ -109,6 +109,8 @@ def forward(b: int, s: int, t: int, iters: int, *, n: int = N, h: int = H, slots
     rows = {
         f"kernel slots={k}": (jax.jit(lambda *a, k=k: mk.sparse_mqa(*a, scale, slots=k)[0]), (q, main, ext, idx, sink))
         for k in slots if mk.smem_bytes(h, idx.shape[-1], k) <= mk.SMEM_BYTES}
+    if n < mk.HEADS and triton_mqa.applies(q, idx.shape[-1]):
+        rows["triton"] = (jax.jit(lambda *a: triton_mqa.sparse_mqa(*a, scale)[0]), (q, main, ext, idx, sink))
     rows |= {
         "kernel+layout": (jax.jit(lambda *a: api.sparse_attention(*a, backend="pallas", **extra),
                                   static_argnums=3), args),
@@ -134,7 +136,7 @@ def backward(b: int, s: int, t: int, iters: int, *, n: int = N, h: int = H) -> N
     scale = h ** -0.5
     lse = jax.jit(lambda *a: reference.sparse_mqa(*a, scale)[1])(q, main, extra, idx, sink)
     alone = {
-        "triton_bwd": jax.jit(lambda *a: triton_bwd.sparse_mqa_bwd(*a, scale)[:3]),
+        "triton_bwd": jax.jit(lambda *a: triton_mqa.sparse_mqa_bwd(*a, scale)[:3]),
         "xla": jax.jit(lambda q, m, e, i, lse_, g: api._bwd(scale, False, "cpu", (q, m, e, i, sink, lse_), g)[:3]),
     }
     for name, fn in alone.items():
@@ -143,14 +145,17 @@ def backward(b: int, s: int, t: int, iters: int, *, n: int = N, h: int = H) -> N
         print(json.dumps({"op": "backward", "impl": name, "b": b, "s": s, "t": t, "n": n, "h": h, "us": round(us, 1),
                           "tflops": round(tf, 1), "peak_share": round(tf / PEAK_TFLOPS, 3),
                           "device": jax.devices()[0].device_kind, "jax": jax.__version__}), flush=True)
-    for name, backend, triton in (("pallas+triton_bwd", "pallas", True), ("pallas", "pallas", False),
-                                  ("xla", "xla", False)):
+    variants = [("pallas+triton_bwd", "pallas", False, True), ("pallas", "pallas", False, False),
+                ("xla", "xla", False, False)]
+    if n < mk.HEADS:
+        variants.insert(0, ("triton fwd+bwd", "pallas", True, True))
+    for name, backend, fwd, bwd in variants:
         def loss(q, wkv, ckv, sink, backend=backend):
             return (api.sparse_attention(q, wkv, sink, window, ckv, top, backend=backend) * g).sum()
-        api.TRITON_BACKWARD = triton  # read when the gradient is traced (the first call)
+        api.TRITON_FORWARD, api.TRITON_BACKWARD = fwd, bwd  # read when the call is traced (the first call)
         fn = jax.jit(jax.grad(loss, (0, 1, 2, 3)))
         fn(q, wkv, ckv, sink)
-        api.TRITON_BACKWARD = False
+        api.TRITON_FORWARD = api.TRITON_BACKWARD = False
         us = timed(fn, q, wkv, ckv, sink, iters=iters)
         tf = flops / us / 1e6  # the forward (recomputed or not) is inside the timed grad
         print(json.dumps({"op": "forward+backward", "impl": name, "b": b, "s": s, "t": t, "n": n, "h": h,

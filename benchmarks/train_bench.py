@@ -11,7 +11,9 @@ keys each query really reads and the indexer's scans, × 3 for forward and backw
 989 TFLOP/s dense bf16 peak. ``--accum N`` accumulates N micro-batches per optimizer step (tokens per step = N ×
 batch × seq); ``--set`` overrides config keys as ``dsv41 train`` does (``model.scan_layers=false``,
 ``model.moe.grouped_matmul=xla``, ``optim.ns_dtype=float32``: the previous forms, for a baseline in the same
-run). ``compile_s`` is tracing, lowering and compiling the step. ``equal``
+run). ``--triton-attention``: ``kernel_backend: pallas`` with the Triton sparse attention kernels switched on
+(``sparse_attention.api.TRITON_FORWARD`` / ``TRITON_BACKWARD``). ``compile_s`` is tracing, lowering and compiling
+the step. ``equal``
 runs one fp32 step from the same eager initial state and batch on every mesh and prints loss and gradient norm
 (the first mesh is the baseline). One JSON line per result.
 """
@@ -174,11 +176,19 @@ def main():
     p.add_argument("--remat", default="none")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--profile", default=None, help="directory for a trace of two steps and the step's HLO")
+    p.add_argument("--triton-attention", action="store_true",
+                   help="kernel_backend pallas with the Triton sparse attention (forward below 64 heads, backward)")
     args = p.parse_args()
+    if args.triton_attention:
+        from pallas_kernels.sparse_attention import api as sparse_api
+
+        sparse_api.TRITON_FORWARD = sparse_api.TRITON_BACKWARD = True
+        args.set = [*args.set, "model.attention.kernel_backend=pallas"]
     cfg = load(args.config, args.set)
     args.seq = args.seq or cfg.data.seq_len
     print(json.dumps({"device": str(jax.devices()[0]), "n_devices": jax.device_count(), "jax": jax.__version__,
-                      "config": args.config}), flush=True)
+                      "config": args.config, "kernel_backend": cfg.model.attention.kernel_backend,
+                      "triton_attention": args.triton_attention}), flush=True)
     (throughput if args.what == "throughput" else equal)(args, cfg)
 
 

@@ -8,8 +8,8 @@ Usage: python benchmarks/engine_bench.py decode|prefill|decode+prefill|parts|cos
 [--weights=float|native] (native: the release's FP8 linears and MXFP4 experts with E8M0 scales, random codes)
 [--kernels=xla|pallas|xla,pallas] (attention.kernel_backend: pallas_kernels' kernels where they apply; a list
 measures each backend on the same weights)
-[--decode-kernels=0|1] (1: with --kernels=pallas, the Triton decode kernels: index_scan.api.GPU_KERNEL and
-sparse_attention.api.PACKED_DECODE)
+[--decode-kernels=0|1] (with --kernels=pallas, the Triton decode kernels both off or both on:
+index_scan.api.GPU_KERNEL, on by default, and sparse_attention.api.PACKED_DECODE, off by default)
 [--radix-topk=N] (decode: the KV sources' top-k by the radix select from N entries, attention.RADIX_TOPK_MIN_ENTRIES)
 [--loop=N] (decode: N steps in one compiled loop with the cache donated, as the generator runs them, per step)
 [--profile=DIR] (decode: a trace of 3 steps of each case and its HLO, for ``profile_split.py DIR/bB_cC --steps 3``).
@@ -227,11 +227,11 @@ def moe_layer(cfg: Cfg.ModelConfig, batches, paths=("gather", "grouped"), reps=1
                               "share_of_4.3TBps": needed / (COPY_TB_PER_S * 1e12) / sec}), flush=True)
 
 
-def decode_kernels() -> bool:
+def decode_kernels() -> dict:
     from pallas_kernels.index_scan import api as scan_api
     from pallas_kernels.sparse_attention import api as sparse_api
 
-    return scan_api.GPU_KERNEL and sparse_api.PACKED_DECODE
+    return {"index_scan": scan_api.GPU_KERNEL, "packed_decode": sparse_api.PACKED_DECODE}
 
 
 def radix_topk():
@@ -422,16 +422,16 @@ if __name__ == "__main__":
         shape = tuple(int(x) for x in arg.split("=")[1].split("x"))
         mesh = build_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
     flags = {"--moe": "auto", "--weights": "float", "--profile": None, "--loop": "0", "--kernels": "xla",
-             "--radix-topk": None, "--decode-kernels": "0"}
+             "--radix-topk": None, "--decode-kernels": None}
     for arg in [a for a in sys.argv if a.split("=")[0] in flags]:
         sys.argv.remove(arg)
         flags[arg.split("=")[0]] = arg.split("=")[1]
     what = sys.argv[1] if len(sys.argv) > 1 else "decode"
-    if flags["--decode-kernels"] == "1":  # the Triton decode kernels under kernel_backend pallas
+    if flags["--decode-kernels"] is not None:  # the Triton decode kernels under kernel_backend pallas
         from pallas_kernels.index_scan import api as scan_api
         from pallas_kernels.sparse_attention import api as sparse_api
 
-        scan_api.GPU_KERNEL = sparse_api.PACKED_DECODE = True
+        scan_api.GPU_KERNEL = sparse_api.PACKED_DECODE = flags["--decode-kernels"] == "1"
     if flags["--radix-topk"] is not None:
         from dsv41_jax.model import attention
 

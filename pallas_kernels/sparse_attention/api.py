@@ -2,15 +2,16 @@
 names; :class:`~dsv41_jax.model.attention.Attention` calls it, once.
 
 ``backend="xla"`` is the reference, :func:`dsv41_jax.model.sparse.sparse_attention`. ``backend="pallas"`` on a
-GPU rewrites the arguments into two key arrays and a row list per query (``layout.key_rows``) and runs the
-Mosaic GPU kernel (``mosaic.sparse_mqa``) forward (or, for fewer than 64 heads with ``TRITON_FORWARD``, the
-Triton one, ``triton_mqa.sparse_mqa``); its gradient (:func:`sparse_mqa`'s VJP) is computed from the
-kernel's log-sum-exp, without a second softmax pass, in XLA (or in one Triton kernel, ``triton_mqa``, with
-``TRITON_BACKWARD``): dQ, dKV summed into the key rows in fp32 (an
-entry is read by many queries), and the sink's gradient. Where the kernel does not apply it falls back to the
-reference: the indexer's probability mass (``return_mass``), head dims the kernel does not take (a multiple
-of 64 up to 512), fp32 activations and calls too small to fill the GPU (``MIN_CTAS``); and the CPU. On TPU
-``backend="pallas"`` runs ``tpu.sparse_mqa`` (Mosaic TPU; numerics checked in the interpreter, not yet run on
+GPU rewrites the arguments into two key arrays and a row list per query (``layout.key_rows``) and runs a kernel
+forward: for fewer than 64 heads the Triton one (``triton_mqa.sparse_mqa``, 16 heads a program;
+``TRITON_FORWARD``), else the Mosaic GPU one (``mosaic.sparse_mqa``, 64 heads a CTA). Its gradient
+(:func:`sparse_mqa`'s VJP) is computed from the forward's log-sum-exp, without a second softmax pass: below 64
+heads in one Triton kernel (``triton_mqa.sparse_mqa_bwd``, dKV by fp32 atomics; ``TRITON_BACKWARD``), else in
+XLA (dQ, dKV summed into the key rows in fp32: an entry is read by many queries), and the sink's gradient.
+Where no kernel applies it falls back to the reference: the indexer's probability mass (``return_mass``), head
+dims the kernels do not take (a multiple of 64 up to 512), fp32 activations and calls too small to fill the GPU
+(``MIN_CTAS``); and the CPU. On TPU ``backend="pallas"`` runs ``tpu.sparse_mqa`` (Mosaic TPU; numerics checked
+in the interpreter, not yet run on
 a TPU) forward and ``tpu.sparse_mqa_bwd`` backward, the same formula as the XLA one.
 
 Decode steps can skip the unpacked keys altogether: :func:`sparse_decode` (``packed_decode.py``, Triton) reads
@@ -82,9 +83,9 @@ def kernel_applies(q: jax.Array) -> bool:
 _KERNELS = {"gpu": mosaic.sparse_mqa, "triton": triton_mqa.sparse_mqa, "tpu": tpu.sparse_mqa}
 
 # whether queries of fewer heads than the Mosaic kernel's 64-row tile take the Triton forward (``triton_mqa``,
-# 16 heads a program) on GPU: off until it has been compiled and timed there against the Mosaic kernel, which
-# pads 16 heads to 64 rows (BENCHMARKS.md); its numerics are tested in the interpreter
-TRITON_FORWARD = False
+# 16 heads a program) on GPU, rather than the Mosaic kernel, which pads them to 64 rows. On the H200 at
+# configs/small.yaml's 16 heads x 256, 8K queries: 1.31 ms against 1.57 (BENCHMARKS.md)
+TRITON_FORWARD = True
 
 
 def kernel_platform(q: jax.Array, rows: int) -> str:
@@ -95,10 +96,11 @@ def kernel_platform(q: jax.Array, rows: int) -> str:
         return "triton"
     return backend
 
-# whether the GPU backward runs ``triton_mqa.sparse_mqa_bwd`` (dQ and dKV in one kernel, the row gradients added
-# into dKV by fp32 atomics) instead of XLA's gather + per-query products + fp32 scatter: off until it has been
-# compiled and timed on a GPU (BENCHMARKS.md); its numerics are tested in the interpreter
-TRITON_BACKWARD = False
+# whether the GPU backward of fewer than 64 heads runs ``triton_mqa.sparse_mqa_bwd`` (dQ and dKV in one kernel,
+# the row gradients added into dKV by fp32 atomics) instead of XLA's gather + per-query products + fp32 scatter.
+# On the H200 at configs/small.yaml's 16 heads x 256, 8K queries: 8.0 ms against 9.7 (BENCHMARKS.md). At 64 heads
+# (four head blocks adding into dKV each) it is correct but not yet timed, so the XLA backward stays there
+TRITON_BACKWARD = True
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -118,13 +120,14 @@ def _fwd(q, main, extra, idx, sink, scale, interpret, platform):
 
 def _bwd(scale, interpret, platform, res, g):
     """Flash-attention backward over the row lists, from the forward's log-sum-exp (spec §3.6's softmax with
-    the sink: p_sink = exp(sink − lse), and its value is zero, so d sink = −Σ p_sink · Σ_l p_l dp_l). On GPU
-    with ``TRITON_BACKWARD`` one Triton kernel gives dQ, dKV and Σ p·dp (``triton_mqa``); otherwise each query's
-    dQ, row gradients and Σ p·dp come from the Mosaic TPU kernel on TPU, else from XLA, and the row gradients
-    are then summed into the key arrays in fp32 (an entry is read by many queries)."""
+    the sink: p_sink = exp(sink − lse), and its value is zero, so d sink = −Σ p_sink · Σ_l p_l dp_l). On GPU,
+    below 64 heads with ``TRITON_BACKWARD``, one Triton kernel gives dQ, dKV and Σ p·dp (``triton_mqa``);
+    otherwise each query's dQ, row gradients and Σ p·dp come from the Mosaic TPU kernel on TPU, else from XLA,
+    and the row gradients are then summed into the key arrays in fp32 (an entry is read by many queries)."""
     q, main, extra, idx, sink, lse = res
     t = main.shape[1]
-    if platform in ("gpu", "triton") and TRITON_BACKWARD and triton_mqa.applies(q, idx.shape[-1]):
+    if (platform in ("gpu", "triton") and TRITON_BACKWARD and q.shape[2] < mosaic.HEADS
+            and triton_mqa.applies(q, idx.shape[-1])):
         dq, dmain, dextra, delta = triton_mqa.sparse_mqa_bwd(q, main, extra, idx, lse, g, scale, interpret=interpret)
         dsink = -(jnp.exp(sink.astype(jnp.float32) - lse) * delta).sum((0, 1))
         return dq, dmain.astype(main.dtype), dextra.astype(extra.dtype), None, dsink.astype(sink.dtype)
@@ -167,8 +170,9 @@ def _query_grads(q, main, extra, idx, lse, g, scale):
 sparse_mqa.defvjp(_fwd, _bwd)
 
 
-# whether backend="pallas" takes the packed decode kernel on GPU: off until it has been compiled and timed on a
-# GPU against the XLA path and the Mosaic kernel (BENCHMARKS.md); its numerics are tested in the interpreter
+# whether backend="pallas" takes the packed decode kernel on GPU: off, since on the H200 it was slower than the
+# XLA path it would replace (batch 1: 33–41 µs against 22; batch 32: 170–515 against 74; BENCHMARKS.md): its
+# byte-wide gathered loads and per-lane decoding cost more than the unpacked keys' extra bytes
 PACKED_DECODE = False
 
 

@@ -170,9 +170,9 @@ def _query_grads(q, main, extra, idx, lse, g, scale):
 sparse_mqa.defvjp(_fwd, _bwd)
 
 
-# whether backend="pallas" takes the packed decode kernel on GPU: off, since on the H200 it was slower than the
-# XLA path it would replace (batch 1: 33–41 µs against 22; batch 32: 170–515 against 74; BENCHMARKS.md): its
-# byte-wide gathered loads and per-lane decoding cost more than the unpacked keys' extra bytes
+# whether backend="pallas" takes the packed decode kernel on GPU: off. Its first form was slower on the H200 than
+# the XLA path it would replace (batch 1: 33–41 µs against 22; batch 32: 170–515 against 74; BENCHMARKS.md): byte
+# loads a lane. The present form (32-bit word loads, 8 lane phases) is tested in the interpreter, not yet timed
 PACKED_DECODE = False
 
 

@@ -12,8 +12,14 @@ Flash-decoding: the key tiles (ring tiles first, then pick tiles, ``block`` keys
 ``splits`` ranges; a program takes one sequence, ``heads`` query heads and one range, decodes each tile's
 rows in registers (gathered by slot or by pick), and keeps an online softmax over its range. It writes its
 running max, denominator and unnormalised output; :func:`sparse_decode` merges the ranges with the sink and the
-query's own row (a bf16 key of this step, never in the cache) in XLA. Keys are decoded into their even and odd
-lanes (how the nibbles pair up), so the query is split the same way and the output comes back as two halves.
+query's own row (a bf16 key of this step, never in the cache) in XLA.
+
+Rows are read as 32-bit words, not bytes: a code word holds the 8 nibbles of lanes 8w .. 8w + 7, two ring words
+the 8 E4M3 bytes of the same lanes; the scale bytes are gathered one a word. Each tile is decoded into 8 phases
+(phase p: lanes 8w + p, w = 0 .. H/8 − 1), the query is split into the same 8 phases outside the kernel, the
+logits are the sum of 8 products of H/8 lanes, and the output comes back as 8 phases, interleaved in XLA. (The
+first form of this kernel loaded a byte a lane for the codes and for each lane's scale, then the even and odd
+lanes apart: on the H200 it ran 33–41 µs at batch 1 and 170–515 µs at batch 32 against XLA's 22 and 74.)
 
 Numerics: the decoded values are exact in bf16 (E2M1 × E4M3 has ≤ 6 significant bits, E4M3 × 2^k ≤ 4), logits
 are fp32 sums of bf16 products as in XLA; probabilities are rounded to bf16 before P·V against the tile's own
@@ -27,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int, Shaped, UInt8
@@ -37,31 +44,31 @@ from pallas_kernels.fp4_pack.layout import as_bytes
 SWA_GROUP, MAIN_GROUP = 32, 16  # lanes per scale: the ring's UE8M0, the main KV's E4M3 (spec §7.1, §7.2)
 
 
-def _kernel(meta_ref, qe_ref, qo_ref, rv_ref, re_ref, rpos_ref, codes_ref, scales_ref, topk_ref,
-            m_ref, l_ref, ae_ref, ao_ref, *, heads: int, block: int, window: int, picks: int, entries: int,
-            ring_tiles: int,
-            per_split: int, tiles: int, scale: float):
+PHASES = 8  # lanes a pair of 32-bit words carries: 8 E2M1 nibbles of a code word, 8 E4M3 bytes of two ring words
+
+
+def _kernel(meta_ref, q_ref, rv_ref, re_ref, rpos_ref, codes_ref, scales_ref, topk_ref,
+            m_ref, l_ref, acc_ref, *, heads: int, block: int, window: int, picks: int, entries: int,
+            ring_tiles: int, per_split: int, tiles: int, scale: float):
     b, hb, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hs = pl.ds(hb * heads, heads)
-    qe, qo = qe_ref[b, hs, :], qo_ref[b, hs, :]  # [heads, H/2]
-    half = qe.shape[-1]
-    lanes = jnp.arange(half)
+    qs = [q_ref[b, ph, hs, :] for ph in range(PHASES)]  # [heads, H/8]: lanes 8w + ph
+    dt = qs[0].dtype
+    words = jnp.arange(qs[0].shape[-1])  # w: lanes 8w .. 8w + 7
     qpos, floor = meta_ref[b, 0], meta_ref[b, 1]
-    dt = qe.dtype
 
-    def attend(carry, ke, ko, ok):
-        m, den, ae, ao = carry
-        s = (jnp.dot(qe, ke.T, preferred_element_type=jnp.float32)
-             + jnp.dot(qo, ko.T, preferred_element_type=jnp.float32)) * scale
-        s = jnp.where(ok[None, :], s, -jnp.inf)
+    def attend(carry, keys, ok):
+        m, den, *acc = carry
+        s = sum(jnp.dot(q, k.T, preferred_element_type=jnp.float32) for q, k in zip(qs, keys, strict=True))
+        s = jnp.where(ok[None, :], s * scale, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         base = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a head with no visible key yet
         alpha = jnp.exp(m - base)
         p = jnp.exp(s - base[:, None])
         pb = p.astype(dt)
-        ae = ae * alpha[:, None] + jnp.dot(pb, ke, preferred_element_type=jnp.float32)
-        ao = ao * alpha[:, None] + jnp.dot(pb, ko, preferred_element_type=jnp.float32)
-        return m_new, den * alpha + jnp.sum(p, axis=1), ae, ao
+        acc = [a * alpha[:, None] + jnp.dot(pb, k, preferred_element_type=jnp.float32)
+               for a, k in zip(acc, keys, strict=True)]
+        return (m_new, den * alpha + jnp.sum(p, axis=1), *acc)
 
     def ring_tile(t, carry):
         slot = t * block + jnp.arange(block)
@@ -70,10 +77,11 @@ def _kernel(meta_ref, qe_ref, qo_ref, rv_ref, re_ref, rpos_ref, codes_ref, scale
         kp = rpos_ref[b, slot]
         ok = inside & (kp >= 0) & (kp > qpos - window) & (kp >= floor)
         rows = slot[:, None]
-        sc = e8m0_value(re_ref[b, rows, (2 * lanes[None, :]) // SWA_GROUP].astype(jnp.int32))
-        ke = (e4m3_value(rv_ref[b, rows, 2 * lanes[None, :]].astype(jnp.int32)) * sc).astype(dt)
-        ko = (e4m3_value(rv_ref[b, rows, 2 * lanes[None, :] + 1].astype(jnp.int32)) * sc).astype(dt)
-        return attend(carry, ke, ko, ok)
+        # lanes 8w .. 8w + 7 are the bytes of words 2w (lanes 8w .. 8w + 3) and 2w + 1; one E8M0 scale per 32 lanes
+        pair = (rv_ref[b, rows, 2 * words[None, :]], rv_ref[b, rows, 2 * words[None, :] + 1])
+        sc = e8m0_value(re_ref[b, rows, (words // (SWA_GROUP // PHASES))[None, :]].astype(jnp.int32))
+        keys = [(e4m3_value((pair[ph // 4] >> (8 * (ph % 4))) & 0xFF) * sc).astype(dt) for ph in range(PHASES)]
+        return attend(carry, keys, ok)
 
     def pick_tile(t, carry):
         i = t * block + jnp.arange(block)
@@ -81,24 +89,30 @@ def _kernel(meta_ref, qe_ref, qo_ref, rv_ref, re_ref, rpos_ref, codes_ref, scale
         idx = topk_ref[b, jnp.minimum(i, picks - 1)]
         ok = inside & (idx >= 0)
         rows = jnp.clip(idx, 0, entries - 1)[:, None]  # as XLA's gather clamps: no load past the cache
-        c = codes_ref[b, rows, lanes[None, :]].astype(jnp.int32)
-        sc = e4m3_value(scales_ref[b, rows, (2 * lanes[None, :]) // MAIN_GROUP].astype(jnp.int32))
-        ke = (e2m1_value(c & 0xF) * sc).astype(dt)
-        ko = (e2m1_value(c >> 4) * sc).astype(dt)
-        return attend(carry, ke, ko, ok)
+        code = codes_ref[b, rows, words[None, :]]  # [block, H/8] int32: the 8 nibbles of lanes 8w .. 8w + 7
+        sc = e4m3_value(scales_ref[b, rows, (words // (MAIN_GROUP // PHASES))[None, :]].astype(jnp.int32))
+        keys = [(e2m1_value((code >> (4 * ph)) & 0xF) * sc).astype(dt) for ph in range(PHASES)]
+        return attend(carry, keys, ok)
 
     t0 = j * per_split
     t1 = jnp.minimum(t0 + per_split, tiles)
+    half = qs[0].shape
     carry = (jnp.full((heads,), -jnp.inf, jnp.float32), jnp.zeros((heads,), jnp.float32),
-             jnp.zeros((heads, half), jnp.float32), jnp.zeros((heads, half), jnp.float32))
+             *[jnp.zeros(half, jnp.float32) for _ in range(PHASES)])
     carry = jax.lax.fori_loop(jnp.minimum(t0, ring_tiles), jnp.minimum(t1, ring_tiles), ring_tile, carry)
     carry = jax.lax.fori_loop(jnp.maximum(t0, ring_tiles) - ring_tiles, jnp.maximum(t1, ring_tiles) - ring_tiles,
                               pick_tile, carry)
-    m, den, ae, ao = carry
+    m, den, *acc = carry
     m_ref[b, j, hs] = m
     l_ref[b, j, hs] = den
-    ae_ref[b, j, hs, :] = ae
-    ao_ref[b, j, hs, :] = ao
+    for ph in range(PHASES):
+        acc_ref[b, j, ph, hs, :] = acc[ph]
+
+
+def _words(x):
+    """A byte array [..., L] viewed as little-endian int32 words [..., L/4] (byte 0 in bits 0–7): a free bitcast."""
+    x = as_bytes(x)
+    return lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 4, 4), jnp.int32)
 
 
 def pick_splits(batch: int, head_blocks: int, tiles: int, target: int = 264) -> int:
@@ -162,16 +176,18 @@ def sparse_decode(
     f32 = jnp.float32
     meta = jnp.stack([start, floor], axis=1).astype(jnp.int32)
     qv = q[:, 0]
-    m, den, ae, ao = pl.pallas_call(
+    phases = qv.reshape(b, n, h // PHASES, PHASES).transpose(0, 3, 1, 2)  # [B, 8, N, H/8]: lane 8w + ph
+    m, den, acc = pl.pallas_call(
         kernel,
         out_shape=(*[jax.ShapeDtypeStruct((b, splits, n), f32)] * 2,
-                   *[jax.ShapeDtypeStruct((b, splits, n, h // 2), f32)] * 2),
+                   jax.ShapeDtypeStruct((b, splits, PHASES, n, h // PHASES), f32)),
         grid=(b, head_blocks, splits),
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name="packed_decode",
-    )(meta, qv[..., 0::2], qv[..., 1::2], as_bytes(ring_values), as_bytes(ring_exps), ring_pos.astype(jnp.int32),
-      as_bytes(kv_codes), as_bytes(kv_scales), topk2.astype(jnp.int32))
+    )(meta, phases, _words(ring_values), as_bytes(ring_exps), ring_pos.astype(jnp.int32), _words(kv_codes),
+      as_bytes(kv_scales), topk2.astype(jnp.int32))
+    acc = acc.transpose(0, 1, 3, 4, 2).reshape(b, splits, n, h)  # back to lane order
     # merge the ranges, the sink and the query's own row (visible unless the window floor is above it)
     own = own_kv[:, 0]
     l_own = jnp.einsum("bnh,bh->bn", qv, own.astype(q.dtype), preferred_element_type=f32) * scale
@@ -181,6 +197,6 @@ def sparse_decode(
     w = jnp.exp(m - mx[:, None])  # [B, splits, N]
     p_own = jnp.exp(l_own - mx)
     den = jnp.exp(sk - mx) + p_own + (w * den).sum(1)
-    acc = jnp.stack([(w[..., None] * ae).sum(1), (w[..., None] * ao).sum(1)], axis=-1).reshape(b, n, h)
+    acc = (w[..., None] * acc).sum(1)
     acc = acc + p_own.astype(q.dtype).astype(f32)[..., None] * own.astype(q.dtype).astype(f32)[:, None, :]
     return (acc / den[..., None]).astype(q.dtype)[:, None]

@@ -11,8 +11,8 @@ keys each query really reads and the indexer's scans, × 3 for forward and backw
 989 TFLOP/s dense bf16 peak. ``--accum N`` accumulates N micro-batches per optimizer step (tokens per step = N ×
 batch × seq); ``--set`` overrides config keys as ``dsv41 train`` does (``model.scan_layers=false``,
 ``model.moe.grouped_matmul=xla``, ``optim.ns_dtype=float32``: the previous forms, for a baseline in the same
-run). ``--triton-attention``: ``kernel_backend: pallas`` with the Triton sparse attention kernels switched on
-(``sparse_attention.api.TRITON_FORWARD`` / ``TRITON_BACKWARD``). ``compile_s`` is tracing, lowering and compiling
+run). ``--triton-attention on|off``: ``kernel_backend: pallas`` with the Triton sparse attention kernels
+(``sparse_attention.api.TRITON_FORWARD`` / ``TRITON_BACKWARD``, on by default) on or off. ``compile_s`` is tracing, lowering and compiling
 the step. ``equal``
 runs one fp32 step from the same eager initial state and batch on every mesh and prints loss and gradient norm
 (the first mesh is the baseline). One JSON line per result.
@@ -176,13 +176,14 @@ def main():
     p.add_argument("--remat", default="none")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--profile", default=None, help="directory for a trace of two steps and the step's HLO")
-    p.add_argument("--triton-attention", action="store_true",
-                   help="kernel_backend pallas with the Triton sparse attention (forward below 64 heads, backward)")
+    p.add_argument("--triton-attention", choices=["on", "off"], default=None,
+                   help="kernel_backend pallas with the Triton sparse attention below 64 heads switched on (the "
+                        "default) or off (the Mosaic forward and the XLA backward: the previous pallas path)")
     args = p.parse_args()
-    if args.triton_attention:
+    if args.triton_attention is not None:
         from pallas_kernels.sparse_attention import api as sparse_api
 
-        sparse_api.TRITON_FORWARD = sparse_api.TRITON_BACKWARD = True
+        sparse_api.TRITON_FORWARD = sparse_api.TRITON_BACKWARD = args.triton_attention == "on"
         args.set = [*args.set, "model.attention.kernel_backend=pallas"]
     cfg = load(args.config, args.set)
     args.seq = args.seq or cfg.data.seq_len

@@ -12,10 +12,9 @@ keys each query really reads and the indexer's scans, × 3 for forward and backw
 batch × seq); ``--set`` overrides config keys as ``dsv41 train`` does (``model.scan_layers=false``,
 ``model.moe.grouped_matmul=xla``, ``optim.ns_dtype=float32``: the previous forms, for a baseline in the same
 run). ``--triton-attention on|off``: ``kernel_backend: pallas`` with the Triton sparse attention kernels
-(``sparse_attention.api.TRITON_FORWARD`` / ``TRITON_BACKWARD``, on by default) on or off. ``compile_s`` is tracing, lowering and compiling
-the step. ``equal``
-runs one fp32 step from the same eager initial state and batch on every mesh and prints loss and gradient norm
-(the first mesh is the baseline). One JSON line per result.
+(``sparse_attention.api.TRITON_FORWARD`` / ``TRITON_BACKWARD``, on by default) on or off. ``compile_s`` is
+tracing, lowering and compiling the step. ``equal`` runs one fp32 step from the same eager initial state and
+batch on every mesh and prints loss and gradient norm (the first mesh is the baseline). One JSON line per result.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def xla_path(q, own, sink, rv, re, ring_pos, kc, ks, topk, start, floor, backend
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,32,128")
-    p.add_argument("--configs", default="16x32x4,16x32x8,32x32x8,64x16x8")
+    p.add_argument("--configs", default="16x32x4,16x32x8,32x32x8,32x16x4")
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args()
     gpu = jax.default_backend() == "gpu"

@@ -82,7 +82,7 @@ def _fwd_kernel(idx_ref, q_ref, sink_ref, kv_ref, o_ref, lse_ref, *, scale: floa
     lse_ref[b, s, hs] = m + jnp.log(den)
 
 
-def _kernel(idx_ref, q_ref, g_ref, lse_ref, kv_ref, dkv_in, dq_ref, delta_ref, dkv_ref, *, scale: float,
+def _bwd_kernel(idx_ref, q_ref, g_ref, lse_ref, kv_ref, dkv_in, dq_ref, delta_ref, dkv_ref, *, scale: float,
             tiles: int, dump: int, interpret: bool):
     del dkv_in  # aliased to dkv_ref
     b, s, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -198,7 +198,7 @@ def sparse_mqa_bwd(
     kv = jnp.concatenate([main, extra], axis=1).astype(q.dtype)
     dump = kv.shape[1]
     dkv = jnp.zeros((b, dump + 1, h), jnp.float32)
-    kernel = functools.partial(_kernel, scale=scale, tiles=rows // KEYS, dump=dump, interpret=interpret)
+    kernel = functools.partial(_bwd_kernel, scale=scale, tiles=rows // KEYS, dump=dump, interpret=interpret)
     warps = num_warps or (4 if h <= 256 else 8)
     dq, delta, dkv = pl.pallas_call(
         kernel,

@@ -21,6 +21,7 @@ from pallas_kernels.sparse_attention import api, layout, reference, triton_mqa
 from pallas_kernels.sparse_attention import mosaic as mk
 
 N, H, WINDOW, TOPK = 64, 512, 128, 512  # release geometry (spec attention §3)
+TRITON_VARIANTS = ((32, 4), (64, 4), (32, 8), (64, 8))  # triton_mqa's (key rows a tile, warps); first: 16 x 256
 PEAK_TFLOPS = 989.0  # H200 dense bf16
 
 
@@ -109,15 +110,21 @@ def forward(b: int, s: int, t: int, iters: int, *, n: int = N, h: int = H, slots
     rows = {
         f"kernel slots={k}": (jax.jit(lambda *a, k=k: mk.sparse_mqa(*a, scale, slots=k)[0]), (q, main, ext, idx, sink))
         for k in slots if mk.smem_bytes(h, idx.shape[-1], k) <= mk.SMEM_BYTES}
-    if n < mk.HEADS and triton_mqa.applies(q, idx.shape[-1]):
-        rows["triton"] = (jax.jit(lambda *a: triton_mqa.sparse_mqa(*a, scale)[0]), (q, main, ext, idx, sink))
+    for keys, warps in TRITON_VARIANTS if n < mk.HEADS else ():  # tile rows × warps; the first is the default
+        if triton_mqa.applies(q, idx.shape[-1], keys):
+            rows[f"triton {keys}x{warps}"] = (jax.jit(lambda *a, k=keys, w=warps: triton_mqa.sparse_mqa(
+                *a, scale, keys=k, num_warps=w)[0]), (q, main, ext, idx, sink))
     rows |= {
         "kernel+layout": (jax.jit(lambda *a: api.sparse_attention(*a, backend="pallas", **extra),
                                   static_argnums=3), args),
         "xla": (jax.jit(lambda *a: api.sparse_attention(*a, backend="xla", **extra), static_argnums=3), args),
     }
     for name, (fn, a) in rows.items():
-        us = timed(fn, *a, iters=iters, device=decode)
+        try:
+            us = timed(fn, *a, iters=iters, device=decode)
+        except Exception as e:  # a variant that does not compile (registers, shared memory): say so, go on
+            print(json.dumps({"op": "forward", "impl": name, "error": str(e).splitlines()[0][:200]}), flush=True)
+            continue
         tf = flops / us / 1e6
         print(json.dumps({"op": "forward", "impl": name, "b": b, "s": s, "t": t, "n": n, "h": h, "us": round(us, 1),
                           "tflops": round(tf, 1), "peak_share": round(tf / PEAK_TFLOPS, 3),
@@ -135,12 +142,15 @@ def backward(b: int, s: int, t: int, iters: int, *, n: int = N, h: int = H) -> N
     flops = 2 * 4 * n * h * visible_keys(idx)  # dS·K, dS·Q, P·dO and dP = dO·K: twice the forward
     scale = h ** -0.5
     lse = jax.jit(lambda *a: reference.sparse_mqa(*a, scale)[1])(q, main, extra, idx, sink)
-    alone = {
-        "triton_bwd": jax.jit(lambda *a: triton_mqa.sparse_mqa_bwd(*a, scale)[:3]),
-        "xla": jax.jit(lambda q, m, e, i, lse_, g: api._bwd(scale, False, "cpu", (q, m, e, i, sink, lse_), g)[:3]),
-    }
+    alone = {f"triton_bwd {k}x{w}": jax.jit(lambda *a, k=k, w=w: triton_mqa.sparse_mqa_bwd(
+        *a, scale, keys=k, num_warps=w)[:3]) for k, w in TRITON_VARIANTS}
+    alone["xla"] = jax.jit(lambda q, m, e, i, lse_, g: api._bwd(scale, False, "cpu", (q, m, e, i, sink, lse_), g)[:3])
     for name, fn in alone.items():
-        us = timed(fn, q, main, extra, idx, lse, g, iters=iters)
+        try:
+            us = timed(fn, q, main, extra, idx, lse, g, iters=iters)
+        except Exception as e:  # a variant that does not compile (registers, shared memory): say so, go on
+            print(json.dumps({"op": "backward", "impl": name, "error": str(e).splitlines()[0][:200]}), flush=True)
+            continue
         tf = flops / us / 1e6
         print(json.dumps({"op": "backward", "impl": name, "b": b, "s": s, "t": t, "n": n, "h": h, "us": round(us, 1),
                           "tflops": round(tf, 1), "peak_share": round(tf / PEAK_TFLOPS, 3),

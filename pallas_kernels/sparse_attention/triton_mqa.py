@@ -8,7 +8,7 @@ entry is read by many queries, so mostly from L2). No library kernel takes this 
 V at head dim 256–512, the sink), hence these.
 
 :func:`sparse_mqa` (forward): one program a query and 16 heads; an online softmax over the list, ``KEYS`` rows a
-tile, started at the sink (so a head with no visible key is well defined); P rounded to the activation dtype
+tile (``keys``), started at the sink (so a head with no visible key is well defined); P rounded to the activation dtype
 before P·V against the running max (the Mosaic kernel's rounding point); out the output and the log-sum-exp.
 
 :func:`sparse_mqa_bwd` (backward, from that log-sum-exp). The XLA gradient (``api._query_grads``) gathers every
@@ -52,14 +52,14 @@ HEADS = 16  # query heads a program (the smallest M of a Triton dot)
 KEYS = 32  # key rows a tile
 
 
-def _gather(kv_ref, idx_ref, b, s, t, lanes):
+def _gather(kv_ref, idx_ref, b, s, t, lanes, keys: int):
     """Tile ``t`` of query ``s``'s list: its rows (−1: none), which are listed, and the keys (row 0 where none)."""
-    rows = idx_ref[b, s, pl.ds(t * KEYS, KEYS)]
+    rows = idx_ref[b, s, pl.ds(t * keys, keys)]
     ok = rows >= 0
-    return rows, ok, kv_ref[b, jnp.maximum(rows, 0)[:, None], lanes[None, :]]  # [KEYS, H], gathered by row
+    return rows, ok, kv_ref[b, jnp.maximum(rows, 0)[:, None], lanes[None, :]]  # [keys, H], gathered by row
 
 
-def _fwd_kernel(idx_ref, q_ref, sink_ref, kv_ref, o_ref, lse_ref, *, scale: float, tiles: int):
+def _fwd_kernel(idx_ref, q_ref, sink_ref, kv_ref, o_ref, lse_ref, *, scale: float, keys: int):
     b, s, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hs = pl.ds(hb * HEADS, HEADS)
     q = q_ref[b, s, hs, :]  # [HEADS, H]
@@ -68,7 +68,7 @@ def _fwd_kernel(idx_ref, q_ref, sink_ref, kv_ref, o_ref, lse_ref, *, scale: floa
 
     def tile(t, carry):
         m, den, acc = carry
-        _, ok, k = _gather(kv_ref, idx_ref, b, s, t, lanes)
+        _, ok, k = _gather(kv_ref, idx_ref, b, s, t, lanes, keys)
         logits = jnp.where(ok[None, :], jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # ≥ the sink: finite
         alpha = jnp.exp(m - m_new)
@@ -77,13 +77,13 @@ def _fwd_kernel(idx_ref, q_ref, sink_ref, kv_ref, o_ref, lse_ref, *, scale: floa
         return m_new, den * alpha + jnp.sum(p, axis=1), acc
 
     init = (sink, jnp.ones_like(sink), jnp.zeros(q.shape, jnp.float32))  # the sink's term: exp(sink − sink)
-    m, den, acc = jax.lax.fori_loop(0, tiles, tile, init)
+    m, den, acc = jax.lax.fori_loop(0, idx_ref.shape[-1] // keys, tile, init)
     o_ref[b, s, hs, :] = (acc / den[:, None]).astype(o_ref.dtype)
     lse_ref[b, s, hs] = m + jnp.log(den)
 
 
 def _bwd_kernel(idx_ref, q_ref, g_ref, lse_ref, kv_ref, dkv_in, dq_ref, delta_ref, dkv_ref, *, scale: float,
-            tiles: int, dump: int, interpret: bool):
+            keys: int, dump: int, interpret: bool):
     del dkv_in  # aliased to dkv_ref
     b, s, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hs = pl.ds(hb * HEADS, HEADS)
@@ -91,11 +91,12 @@ def _bwd_kernel(idx_ref, q_ref, g_ref, lse_ref, kv_ref, dkv_in, dq_ref, delta_re
     lse = lse_ref[b, s, hs]  # [HEADS] fp32
     dt = q.dtype
     lanes = jnp.arange(q.shape[-1])
+    tiles = idx_ref.shape[-1] // keys
 
     def rows_of(t):
-        rows, ok, k = _gather(kv_ref, idx_ref, b, s, t, lanes)
+        rows, ok, k = _gather(kv_ref, idx_ref, b, s, t, lanes, keys)
         logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
-        p = jnp.where(ok[None, :], jnp.exp(logits - lse[:, None]), 0.0)  # [HEADS, KEYS] fp32
+        p = jnp.where(ok[None, :], jnp.exp(logits - lse[:, None]), 0.0)  # [HEADS, keys] fp32
         dp = jnp.dot(g, k.T, preferred_element_type=jnp.float32)
         return rows, ok, k, p, dp
 
@@ -110,10 +111,10 @@ def _bwd_kernel(idx_ref, q_ref, g_ref, lse_ref, kv_ref, dkv_in, dq_ref, delta_re
         ds = (p * (dp - delta[:, None]) * scale).astype(dt)
         dq = dq + jnp.dot(ds, k, preferred_element_type=jnp.float32)
         dk = (jnp.dot(ds.T, q, preferred_element_type=jnp.float32)
-              + jnp.dot(p.astype(dt).T, g, preferred_element_type=jnp.float32))  # [KEYS, H] fp32
+              + jnp.dot(p.astype(dt).T, g, preferred_element_type=jnp.float32))  # [keys, H] fp32
         dest = jnp.where(ok, rows, dump)
         if interpret:  # one row an add: the interpreter's gathered add (gather + set) keeps one of a repeated row
-            for r in range(KEYS):
+            for r in range(keys):
                 plt.atomic_add(dkv_ref, (b, pl.ds(dest[r], 1), pl.ds(0, dk.shape[1])), dk[r:r + 1])
         else:
             mask = jnp.broadcast_to(ok[:, None], dk.shape)  # Triton wants the value's shape
@@ -125,25 +126,26 @@ def _bwd_kernel(idx_ref, q_ref, g_ref, lse_ref, kv_ref, dkv_in, dq_ref, delta_re
     delta_ref[b, s, hs] = delta
 
 
-def applies(q: jax.Array, rows: int) -> bool:
+def applies(q: jax.Array, rows: int, keys: int = KEYS) -> bool:
     """Whether these kernels take these queries: a power-of-two head dim in 64..512 (a tile's rows and the
-    backward's dKV block in registers) and a row list of whole tiles. (The model sends them 16-bit activations
-    only; the interpreter takes fp32 too.)"""
+    backward's dKV block in registers) and a row list of whole tiles of ``keys`` rows (a power of two ≥ 16).
+    (The model sends them 16-bit activations only; the interpreter takes fp32 too.)"""
     h = q.shape[-1]
-    return h & (h - 1) == 0 and 64 <= h <= 512 and rows % KEYS == 0
+    return (h & (h - 1) == 0 and 64 <= h <= 512 and keys & (keys - 1) == 0 and keys >= 16
+            and rows % keys == 0)
 
 
-def _check(q, rows: int, name: str) -> None:
-    if not applies(q, rows):
-        raise ValueError(f"{name}: takes a power-of-two head dim in 64..512 and row lists of whole {KEYS}-row "
-                         f"tiles; got queries {q.shape} and {rows} rows")
+def _check(q, rows: int, keys: int, name: str) -> None:
+    if not applies(q, rows, keys):
+        raise ValueError(f"{name}: takes a power-of-two head dim in 64..512 and row lists of whole tiles of a "
+                         f"power of two ≥ 16 rows; got queries {q.shape}, {rows} rows and tiles of {keys}")
 
 
 def _pad_heads(x, pad: int, value=0.0):
     return jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3), constant_values=value) if pad else x
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "keys", "num_warps", "interpret"))
 def sparse_mqa(
     q: Float[Array, "B S N H"],
     main: Float[Array, "B T H"],
@@ -152,19 +154,20 @@ def sparse_mqa(
     sink: Float[Array, "N"],
     scale: float,
     *,
+    keys: int = KEYS,
     num_warps: int | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B S N H"], Float[Array, "B S N"]]:
     """``reference.sparse_mqa``'s ``(out, lse)``: the output in the activation dtype, the log-sum-exp over the keys
     and the sink in fp32."""
     b, s, n, h = q.shape
-    _check(q, idx.shape[-1], "sparse_mqa")
+    _check(q, idx.shape[-1], keys, "sparse_mqa")
     pad = -n % HEADS
     qp = _pad_heads(q, pad)
     sink = jnp.pad(jnp.asarray(sink, jnp.float32), (0, pad))
     kv = jnp.concatenate([main, extra], axis=1).astype(q.dtype)
     out, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, tiles=idx.shape[-1] // KEYS),
+        functools.partial(_fwd_kernel, scale=scale, keys=keys),
         out_shape=(jax.ShapeDtypeStruct(qp.shape, q.dtype), jax.ShapeDtypeStruct(qp.shape[:3], jnp.float32)),
         grid=(b, s, (n + pad) // HEADS),
         interpret=interpret,
@@ -174,7 +177,7 @@ def sparse_mqa(
     return out[:, :, :n], lse[:, :, :n]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "keys", "num_warps", "interpret"))
 def sparse_mqa_bwd(
     q: Float[Array, "B S N H"],
     main: Float[Array, "B T H"],
@@ -184,6 +187,7 @@ def sparse_mqa_bwd(
     g: Float[Array, "B S N H"],
     scale: float,
     *,
+    keys: int = KEYS,
     num_warps: int | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B S N H"], Float[Array, "B T H"], Float[Array, "B E H"], Float[Array, "B S N"]]:
@@ -192,13 +196,13 @@ def sparse_mqa_bwd(
     each row), the last per head for the sink's gradient."""
     b, s, n, h = q.shape
     t, rows = main.shape[1], idx.shape[-1]
-    _check(q, rows, "sparse_mqa_bwd")
+    _check(q, rows, keys, "sparse_mqa_bwd")
     pad = -n % HEADS  # padded heads: zero query and cotangent, log-sum-exp +∞ (p = 0)
     q, g, lse = _pad_heads(q, pad), _pad_heads(g, pad), _pad_heads(lse, pad, jnp.inf)
     kv = jnp.concatenate([main, extra], axis=1).astype(q.dtype)
     dump = kv.shape[1]
     dkv = jnp.zeros((b, dump + 1, h), jnp.float32)
-    kernel = functools.partial(_bwd_kernel, scale=scale, tiles=rows // KEYS, dump=dump, interpret=interpret)
+    kernel = functools.partial(_bwd_kernel, scale=scale, keys=keys, dump=dump, interpret=interpret)
     warps = num_warps or (4 if h <= 256 else 8)
     dq, delta, dkv = pl.pallas_call(
         kernel,

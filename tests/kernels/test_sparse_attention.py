@@ -413,6 +413,26 @@ def test_interpreted_triton_backward_equals_the_xla_backward(n, case, unique):
         assert _rel_rows(k, w) <= 1.5 * _rel_rows(x_, w) + 1e-3, name
 
 
+def test_interpreted_triton_tiles_of_64_rows_equal_tiles_of_32():
+    """The tile size is a tuning knob: 64-row tiles give the 32-row tiles' forward and backward to fp32 rounding;
+    a tile that does not divide the list, or is not a power of two, is refused."""
+    x = _unique_picks(_inputs(b=1, s=3, n=16, h=128, k=100))
+    main, extra, idx = _rows(x, _cases(x)[5][1])
+    assert idx.shape[-1] % 64 == 0
+    scale = 128 ** -0.5
+    g = jnp.asarray(np.random.default_rng(2).standard_normal(x["q"].shape), jnp.float32)
+    for keys in (32, 64):
+        out, lse = triton_mqa.sparse_mqa(x["q"], main, extra, idx, x["sink"], scale, keys=keys, interpret=True)
+        grads = triton_mqa.sparse_mqa_bwd(x["q"], main, extra, idx, lse, g, scale, keys=keys, interpret=True)
+        if keys == 32:
+            want = (out, lse, *grads)
+    for name, a, b in zip(("out", "lse", "dq", "dmain", "dextra", "delta"), (out, lse, *grads), want, strict=True):
+        assert _rel_rows(a, b) < 1e-5, name
+    assert not triton_mqa.applies(x["q"], 96, 64) and not triton_mqa.applies(x["q"], 96, 48)
+    with pytest.raises(ValueError, match="tiles of 48"):
+        triton_mqa.sparse_mqa(x["q"], main, extra, idx, x["sink"], scale, keys=48, interpret=True)
+
+
 def test_interpreted_triton_backward_through_the_vjp(monkeypatch):
     """With ``api.TRITON_BACKWARD`` on (the default), ``sparse_mqa``'s VJP on the GPU platform takes the Triton
     backward below 64 heads: the gradients of the interpreted forward equal the reference's autodiff (fp32)."""
@@ -437,7 +457,7 @@ def test_triton_kernels_lower_to_triton_for_cuda(n, h):
     fn = functools.partial(triton_mqa.sparse_mqa, scale=h ** -0.5)
     fwd = [*avals[:4], jax.ShapeDtypeStruct((n,), jnp.float32)]
     assert "xla.gpu.triton" in jax.jit(fn).trace(*fwd).lower(lowering_platforms=("cuda",)).as_text()
-    with pytest.raises(ValueError, match="power-of-two head dim"):
+    with pytest.raises(ValueError, match="power-of-two head dim in 64..512"):
         z = jnp.zeros((1, 1, 16, 96), jnp.bfloat16)
         triton_mqa.sparse_mqa_bwd(z, z[:, 0], z[:, 0], jnp.zeros((1, 1, 64), jnp.int32), jnp.zeros((1, 1, 16)), z,
                                   0.1)

@@ -9,7 +9,10 @@ Per device:
   its PartitionSpec (the sharding table, ``dsv41_jax.sharding``) splits it over;
 - activations are an estimate: bytes per token, per layer, per residual-stream element, calibrated on the
   H200 (``configs/small.yaml``, 4,096 tokens, bf16, no remat: 109.6 GiB in all; BENCHMARKS.md), scaled by the
-  activation dtype; ``remat: block`` keeps one block's activations plus every block's input.
+  activation dtype; ``remat: block`` keeps every block's input plus the working set of one block's recompute
+  and backward, ``REMAT_LIVE_BLOCKS`` blocks' worth of activations (calibrated on ``configs/small.yaml`` at
+  8,192 tokens, remat block: 37.1 GiB in all with the XLA attention on an H100, 32.1 with the Triton kernels on
+  an H200; the larger is kept, so the check errs towards refusing).
 
 ``model_flops_per_token`` counts forward + backward FLOPs per token for MFU: 6 × the active matmul
 parameters (routed experts at k/E), attention over the keys each query reads (window + top-k compressed
@@ -29,6 +32,8 @@ from dsv41_jax.config import ConfigError, ModelConfig
 
 # bytes per (token × layer × hc_mult × dim) of saved activations at 2-byte activations, no remat
 ACTIVATION_BYTES_PER_ELEMENT = 153.0
+# under remat: one block's activations times this are live at once (its recompute, its backward's temporaries)
+REMAT_LIVE_BLOCKS = 3.9
 PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12}  # dense bf16 per device
 
 
@@ -109,8 +114,8 @@ def preflight(model_cfg: ModelConfig, ocfg, mesh_shape: dict[str, int], batch: i
     per_layer = tokens * model_cfg.mhc.hc_mult * model_cfg.dim * ACTIVATION_BYTES_PER_ELEMENT * width
     if remat == "none":
         act = per_layer * model_cfg.n_layers
-    else:  # every block's input (fp32 streams) + one block recomputed at a time
-        act = tokens * model_cfg.mhc.hc_mult * model_cfg.dim * 4 * model_cfg.n_layers + per_layer
+    else:  # every block's input (fp32 streams) + one block's recompute and backward at a time
+        act = tokens * model_cfg.mhc.hc_mult * model_cfg.dim * 4 * model_cfg.n_layers + REMAT_LIVE_BLOCKS * per_layer
     flops, active = model_flops_per_token(model_cfg, seq)
     gb = 2.0 ** 30
     return Preflight(dict(mesh_shape), params_b / gb, grads_b / gb, opt_b / gb, act / gb,

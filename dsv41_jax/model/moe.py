@@ -152,14 +152,15 @@ def grouped_matmul(lhs: Float[Array, "U X"], rhs: Float[Array, "E X Y"], sizes: 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, implementation: str) -> jax.Array:
-    """The grouped matmul's forward by ``implementation``; its backward is XLA's transpose of ``lax.ragged_dot``.
+    """The grouped matmul's forward by ``implementation``; its backward is the transpose of ``lax.ragged_dot``.
 
     tokamax 0.0.17's own backward was measured wrong on the H200 (``benchmarks/moe_bench.py``, bf16, 32,768 rows
     × 1024 → 384, 16 experts): its Mosaic GPU kernels refuse the fp32 cotangent of an fp32 output against bf16
     weights; fed a bf16 cotangent, the weight gradient was off by 9 % of its largest entry, and with rows past
     the last group (``tests/model/test_moe.py``'s GPU test) the input gradient was off by 1.0 where its largest
     entry was 6.0, as from rows its kernels leave unwritten (the forward leaves them so). Its forward equals
-    ``lax.ragged_dot`` bit for bit there, so the forward is tokamax's and the gradients are XLA's own.
+    ``lax.ragged_dot`` bit for bit there, so the forward is tokamax's, the input gradient is tokamax's forward
+    against the transposed experts (rows past the last group zeroed), and the weight gradient is XLA's own.
 
     With bf16 operands the cotangent is rounded to bf16 and both transposed products run in bf16 with fp32
     accumulation (autodiff would run them as fp32 × bf16 products, promoted to fp32); fp32 operands take
@@ -177,8 +178,17 @@ def _grouped_fwd(lhs, rhs, sizes, implementation):
 def _grouped_bwd(implementation, res, g):
     lhs, rhs, sizes = res
     dtype = gradient_dtype(lhs, rhs)
-    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=dtype), lhs, rhs)
-    return (*vjp(g.astype(dtype)), None)
+    g = g.astype(dtype)
+    if implementation != "tokamax":
+        _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=dtype), lhs, rhs)
+        return (*vjp(g), None)
+    # the input gradient is a grouped matmul against the transposed experts: tokamax's forward kernel; the
+    # weight gradient (contracting over each group's rows) stays XLA's transpose
+    _, vjp = jax.vjp(lambda b: jax.lax.ragged_dot(lhs, b, sizes, preferred_element_type=dtype), rhs)
+    d_lhs = _tokamax().ragged_dot(g, jnp.swapaxes(rhs, 1, 2).astype(dtype), sizes,
+                                  preferred_element_type=jnp.float32)
+    d_lhs = jnp.where((jnp.arange(lhs.shape[0]) < jnp.sum(sizes))[:, None], d_lhs, 0.0).astype(lhs.dtype)
+    return d_lhs, *vjp(g), None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
@@ -319,25 +329,72 @@ def _local_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: 
     """The contribution of experts ``first .. first + n − 1`` (the rows of ``w1``/``w2``/``w3``) to every token.
 
     Token copies routed elsewhere sort after the local groups; :func:`grouped_matmul` leaves rows past the last
-    group zero, so they add nothing.
+    group zero, so they add nothing. ``w1`` and ``w3`` run as one grouped matmul against their concatenation
+    (the same products, one kernel of twice the width). The copies reach and leave the sorted order by
+    permutations (:func:`_to_copies`, :func:`_from_copies`): gathers both ways, forward and backward, where
+    indexing and ``.at[].add`` would transpose into scatter-adds (atomics on GPU, rounded per addition in bf16).
     """
     t, k = experts.shape
-    n = w1.shape[0]
+    n, f = w1.shape[0], w1.shape[1]
     local = experts.reshape(-1) - first
     key = jnp.where((local >= 0) & (local < n), local, n)
     order = jnp.argsort(key, stable=True)
-    token = order // k
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype), unique_indices=True)
     sizes = jnp.bincount(key, length=n + 1)[:n].astype(jnp.int32)
-    xs = x[token]  # [U·K, D]
+    xs = _to_copies(x, order, inverse, k)  # [U·K, D] in expert order
 
     def grouped(lhs, w):  # [E, Y, X] -> rhs [E, X, Y]
         return grouped_matmul(lhs, jnp.swapaxes(w, 1, 2), sizes, implementation)
 
-    act = clamped_swiglu(grouped(xs, w1), grouped(xs, w3), limit)
+    gate_up = grouped(xs, jnp.concatenate([w1, w3], axis=1))
+    act = clamped_swiglu(gate_up[:, :f], gate_up[:, f:], limit)
     mine = (key[order] < n)[:, None]
-    act = jnp.where(mine, act * weights.reshape(-1)[order][:, None], 0.0)  # routing weight before w2 (§5.2)
-    out = grouped(act.astype(x.dtype), w2)
-    return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token].add(out)
+    route = _to_copies(weights.reshape(-1, 1), order, inverse, 1)  # each copy's routing weight, by permutation
+    act = jnp.where(mine, act * route, 0.0)  # routing weight before w2 (§5.2)
+    return _from_copies(grouped(act.astype(x.dtype), w2), order, inverse, k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _to_copies(x: Float[Array, "T D"], order: Int[Array, "N"], inverse: Int[Array, "N"], k: int
+               ) -> Float[Array, "N D"]:
+    """Row ``i`` is token ``order[i] // k``'s copy (``N = T·K``, ``inverse`` the inverse permutation of
+    ``order``). Its transpose (:func:`_from_copies`) puts the copies back in token order by ``inverse`` and
+    sums each token's ``k`` of them in fp32: a gather and a reduction, never a scatter-add."""
+    return jnp.take(x, order // k, axis=0)
+
+
+def _to_copies_fwd(x, order, inverse, k):
+    return _to_copies(x, order, inverse, k), (order, inverse)
+
+
+def _to_copies_bwd(k, res, g):
+    order, inverse = res
+    return _from_copies(g, order, inverse, k).astype(g.dtype), None, None
+
+
+_to_copies.defvjp(_to_copies_fwd, _to_copies_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _from_copies(y: Float[Array, "N D"], order: Int[Array, "N"], inverse: Int[Array, "N"], k: int
+                 ) -> Float[Array, "T D"]:
+    """Σ over each token's ``k`` copies of ``y`` (rows in :func:`_to_copies`' order), in fp32; the transpose of
+    :func:`_to_copies`."""
+    t = y.shape[0] // k
+    back = jnp.take(y, inverse, axis=0).astype(jnp.float32)
+    return back.reshape(t, k, y.shape[-1]).sum(1)
+
+
+def _from_copies_fwd(y, order, inverse, k):
+    return _from_copies(y, order, inverse, k), (order, inverse, jnp.zeros((), y.dtype))
+
+
+def _from_copies_bwd(k, res, g):
+    order, inverse, like = res
+    return _to_copies(g, order, inverse, k).astype(like.dtype), None, None
+
+
+_from_copies.defvjp(_from_copies_fwd, _from_copies_bwd)
 
 
 # ----------------------------------------------------------------------------------------------------

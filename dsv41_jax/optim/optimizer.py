@@ -19,6 +19,7 @@ from dsv41_jax.optim.config import OptimConfig
 from dsv41_jax.optim.muon import scale_by_muon
 from dsv41_jax.optim.schedule import lr_schedule
 from dsv41_jax.optim.sinkhorn import scale_by_sinkhorn
+from dsv41_jax.optim.stacking import stack_leaves
 
 
 def muon(cfg: OptimConfig, blocks: int = 1, lr: optax.ScalarOrSchedule | None = None) -> optax.GradientTransformation:
@@ -52,17 +53,19 @@ def adamw(cfg: OptimConfig, weight_decay: float, lr: optax.ScalarOrSchedule | No
 
 def group_transforms(model_cfg: ModelConfig, cfg: OptimConfig,
                      lr: optax.ScalarOrSchedule | None = None) -> dict[str, optax.GradientTransformation]:
-    """The transform of every label of :mod:`dsv41_jax.optim.labels` (``lr`` overrides the schedule)."""
+    """The transform of every label of :mod:`dsv41_jax.optim.labels` (``lr`` overrides the schedule), each run
+    on stacked groups of same-shaped leaves unless ``cfg.stack_leaves`` is off (:mod:`dsv41_jax.optim.stacking`)."""
     a = model_cfg.attention
+    wrap = stack_leaves if cfg.stack_leaves else (lambda tx: tx)
     return {
-        L.MUON: muon(cfg, 1, lr),
-        L.MUON_Q_HEADS: muon(cfg, a.n_heads, lr),
-        L.MUON_INDEX_HEADS: muon(cfg, a.index_n_heads, lr),
-        L.MUON_OUT_GROUPS: muon(cfg, a.o_groups, lr),
-        L.SINKHORN: sinkhorn(cfg, 1.0, lr),
-        L.SINKHORN_ENGRAM: sinkhorn(cfg, cfg.engram_lr_mult, lr),
-        L.ADAMW: adamw(cfg, cfg.weight_decay, lr),
-        L.ADAMW_NO_DECAY: adamw(cfg, 0.0, lr),
+        L.MUON: wrap(muon(cfg, 1, lr)),
+        L.MUON_Q_HEADS: wrap(muon(cfg, a.n_heads, lr)),
+        L.MUON_INDEX_HEADS: wrap(muon(cfg, a.index_n_heads, lr)),
+        L.MUON_OUT_GROUPS: wrap(muon(cfg, a.o_groups, lr)),
+        L.SINKHORN: wrap(sinkhorn(cfg, 1.0, lr)),
+        L.SINKHORN_ENGRAM: wrap(sinkhorn(cfg, cfg.engram_lr_mult, lr)),
+        L.ADAMW: wrap(adamw(cfg, cfg.weight_decay, lr)),
+        L.ADAMW_NO_DECAY: wrap(adamw(cfg, 0.0, lr)),
         L.NOT_OPTIMIZED: optax.set_to_zero(),
     }
 

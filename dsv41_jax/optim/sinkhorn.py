@@ -14,6 +14,7 @@ column norms and the mean row norm every row shard: XLA inserts the cross-device
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -57,6 +58,13 @@ def sinkhorn_direction(n: Float[Array, "V X"], *, tau: float, iters: int, eps: f
     return math.sqrt(n.shape[1]) * (r[:, None] * n * c[None, :])
 
 
+def _tables(fn, ndim: int):
+    """``fn`` of one [V, X] table, vmapped over any leading axes (tables stacked by :mod:`~dsv41_jax.optim.stacking`)."""
+    for _ in range(max(ndim - 2, 0)):
+        fn = jax.vmap(fn)
+    return fn
+
+
 def scale_by_sinkhorn(*, momentum: float, tau: float, iters: int, eps: float,
                       state_dtype=jnp.float32) -> optax.GradientTransformation:
     """The direction ``Δ`` of spec §9.3 for every (2-D) leaf; chain ``scale(γ·lr_mult)`` and the LR after it."""
@@ -68,7 +76,8 @@ def scale_by_sinkhorn(*, momentum: float, tau: float, iters: int, eps: float,
         del params
         m = jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g.astype(m.dtype), state.momentum, updates)
         nest = jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g.astype(m.dtype), m, updates)
-        delta = jax.tree.map(lambda x: sinkhorn_direction(x, tau=tau, iters=iters, eps=eps), nest)
+        direction = functools.partial(sinkhorn_direction, tau=tau, iters=iters, eps=eps)
+        delta = jax.tree.map(lambda x: _tables(direction, x.ndim)(x), nest)
         return delta, SinkhornState(momentum=m)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -58,9 +58,9 @@ class OptimConfig:
     indexer_kl_over: str = "dense"
     # dtype of the momentum buffers (Muon, Sinkhorn, Adam's first moment); Adam's second moment stays fp32
     state_dtype: str = "float32"
-    # run each group's update once per set of same-shaped leaves, stacked (dsv41_jax.optim.stacking): a far
-    # smaller program; false runs leaf by leaf (no transient stacked copies)
-    stack_leaves: bool = True
+    # run each group's update once per set of same-shaped leaves, stacked (dsv41_jax.optim.stacking): 5× fewer
+    # traced operations, but XLA:CPU compiles the result 2× slower (BENCHMARKS.md); off until measured on a GPU
+    stack_leaves: bool = False
 
     def __post_init__(self):
         validate(self)

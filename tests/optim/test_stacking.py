@@ -1,4 +1,4 @@
-"""The optimizer run on stacked groups of same-shaped leaves (``optim.stack_leaves``, the default) equals it
+"""The optimizer run on stacked groups of same-shaped leaves (``optim.stack_leaves``) equals it
 run leaf by leaf, keeps the same state (checkpoints unchanged), and traces into a much smaller program."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_stacked_update_sees_one_array_per_shape():
 
 
 def test_stacking_shrinks_the_optimizer_program(tiny_cfg, rng):
-    """The point of it: the traced update has a fraction of the per-leaf program's operations (40 layers)."""
+    """What it is for: the traced update has a fraction of the per-leaf program's operations (40 layers)."""
     shapes = _layers(tiny_cfg, n=40)
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
 

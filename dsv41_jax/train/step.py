@@ -122,7 +122,12 @@ def make_step(graphdef, rest, ocfg: OptimConfig, tx: optax.GradientTransformatio
             (_, aux), g = grad_fn(state.params, state.biases, *xs, counts)
             return jax.tree.map(jnp.add, grads, g), aux
 
-        grads, aux = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, state.params), (batch, keys))
+        if n_micro == 1:  # no accumulator: no zeroed gradient buffers, no adds, no loop
+            (_, aux), grads = grad_fn(state.params, state.biases, jax.tree.map(lambda v: v[0], batch), keys[0],
+                                      counts)
+            aux = jax.tree.map(lambda v: v[None], aux)
+        else:
+            grads, aux = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, state.params), (batch, keys))
         with jax.named_scope("optimizer"):
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)

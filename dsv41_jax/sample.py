@@ -129,7 +129,7 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
     shown = [""] * len(batch)
     note = CompileNotice(f"prefill and decode ({len(batch)} row{'s' * (len(batch) > 1)}, {max_new_tokens} new tokens)")
 
-    def show(block):  # [B, block] new ids; -1 once a row has stopped
+    def show(block, final: bool = False):  # [B, block] new ids; -1 once a row has stopped
         if note.pending:  # the compile line first, then the text: a terminal shows stderr and stdout together
             note.done()
             if stream:
@@ -137,15 +137,18 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
         for i, row in enumerate(block):
             new[i] += [int(t) for t in row if t >= 0]
             text = tok.decode(new[i], skip_special_tokens=False)  # whole rows: characters split across blocks
-            if text.endswith("\ufffd") or not text.startswith(shown[i]):
+            if not final and (text.endswith("\ufffd") or not text.startswith(shown[i])):
                 continue  # a character's bytes are not all there yet
-            delta, shown[i] = text[len(shown[i]):], text
+            # at the end, bytes that never completed a character are shown as the tokenizer decodes them
+            delta = text[len(shown[i]):] if text.startswith(shown[i]) else ""
+            shown[i] = text
             if stream:
                 write(delta)
             elif delta.strip():
                 log(f"[{i}] {delta}")
 
     outs = gen.generate(batch, seed=seed, on_block=show, images=vision)
+    show([[] for _ in batch], final=True)
     if stream:
         write("\n")
     if show_ids:

@@ -2,11 +2,18 @@
 forward + backward, at a training shape.
 
     python benchmarks/moe_bench.py [--rows 32768] [--dim 1024] [--inter 384] [--experts 16] [--impls xla,tokamax]
+    python benchmarks/moe_bench.py --layer [--k 4] ...
 
 Rows are tokens × activated experts (``configs/small.yaml`` at 8K: 8,192 × 4), split evenly over the experts.
 For each implementation: compile time and the median of 10 synchronised calls of the forward (``x @ w``,
 bf16 operands, fp32 output) and of the gradient of ``sum(out · cot)`` with respect to both operands;
 TFLOP/s count 2·rows·dim·inter for the forward and three times that for forward + backward. One JSON line each.
+
+``--layer``: the whole routed path of one layer instead (``moe.routed_experts``, path ``grouped``: the sort by
+expert, the token copies, the three grouped products with the clamped SwiGLU and the weighted sum back to
+tokens), ``rows / k`` tokens of ``k`` picks drawn at random, forward and the gradient of ``sum(out · cot)`` with
+respect to the tokens, the routing weights and the three expert matrices; TFLOP/s count the three products.
+Run it with another tree first on ``PYTHONPATH`` for a before / after of the layer's code.
 """
 
 from __future__ import annotations
@@ -42,7 +49,11 @@ def main() -> None:
     p.add_argument("--inter", type=int, default=384)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--impls", default="xla,tokamax")
+    p.add_argument("--layer", action="store_true", help="time the whole routed path of one layer")
+    p.add_argument("--k", type=int, default=4, help="picks per token (--layer)")
     a = p.parse_args()
+    if a.layer:
+        return layer(a)
     rng = np.random.default_rng(0)
     lhs = jnp.asarray(rng.normal(size=(a.rows, a.dim)), jnp.bfloat16)
     rhs = jnp.asarray(rng.normal(size=(a.experts, a.dim, a.inter)) * a.dim ** -0.5, jnp.bfloat16)
@@ -65,6 +76,37 @@ def main() -> None:
             row |= {"fwd_compile_s": c_f, "fwd_ms": t_f * 1e3, "fwd_TFLOPs": flops / t_f / 1e12,
                     "fwd_bwd_compile_s": c_b, "fwd_bwd_ms": t_b * 1e3, "fwd_bwd_TFLOPs": 3 * flops / t_b / 1e12,
                     "max_rel_err_vs_first": err}
+        except Exception as err:  # noqa: BLE001 -- an implementation that fails here is a result
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        print(json.dumps(row), flush=True)
+
+
+def layer(a) -> None:
+    from flax import nnx
+
+    from dsv41_jax.model.moe import Experts, routed_experts
+
+    rng = np.random.default_rng(0)
+    t = a.rows // a.k
+    x = jnp.asarray(rng.normal(size=(t, a.dim)), jnp.bfloat16)
+    picks = jnp.asarray(np.argsort(rng.random((t, a.experts)), axis=1)[:, :a.k], jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (t, a.k)), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(t, a.dim)), jnp.float32)
+    graphdef, state = nnx.split(Experts(a.experts, a.dim, a.inter, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    flops = 3 * 2 * t * a.k * a.dim * a.inter
+    print(json.dumps({"device": str(jax.devices()[0]), "jax": jax.__version__, "tokens": t, "k": a.k,
+                      "dim": a.dim, "inter": a.inter, "experts": a.experts, "layer": True}), flush=True)
+    for impl in a.impls.split(","):
+        row = {"impl": impl}
+        try:
+            def fwd(st, x, w, i=impl):
+                return routed_experts(x, picks, w, nnx.merge(graphdef, st), 10.0, implementation=i, path="grouped")
+
+            grad = jax.grad(lambda st, x, w: jnp.sum(fwd(st, x, w) * cot), argnums=(0, 1, 2))
+            c_f, t_f = timed(fwd, state, x, weights)
+            c_b, t_b = timed(grad, state, x, weights)
+            row |= {"fwd_compile_s": c_f, "fwd_ms": t_f * 1e3, "fwd_TFLOPs": flops / t_f / 1e12,
+                    "fwd_bwd_compile_s": c_b, "fwd_bwd_ms": t_b * 1e3, "fwd_bwd_TFLOPs": 3 * flops / t_b / 1e12}
         except Exception as err:  # noqa: BLE001 -- an implementation that fails here is a result
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         print(json.dumps(row), flush=True)

@@ -15,7 +15,6 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -40,7 +39,7 @@ def main() -> None:
         tx = optimizer(cfg.model, cfg.optim.replace(stack_leaves=mode == "stacked"))
         state = jax.eval_shape(tx.init, shapes)
 
-        def step(g, s, p):
+        def step(g, s, p, tx=tx):
             u, s = tx.update(g, s, p)
             return optax.apply_updates(p, u), s
 
@@ -53,8 +52,7 @@ def main() -> None:
         row = {"mode": mode, "traced_ops": eqns, "trace_lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
                "hlo_lines": len(compiled.as_text().splitlines())}
         if run:
-            key = jax.random.key(0)
-            draw = lambda x: jax.random.normal(key, x.shape, x.dtype) * 0.01  # noqa: E731
+            draw = lambda x: jax.random.normal(jax.random.key(0), x.shape, x.dtype) * 0.01  # noqa: E731
             params, grads = jax.tree.map(draw, shapes), jax.tree.map(draw, shapes)
             st = jax.jit(tx.init)(params)
             times = []

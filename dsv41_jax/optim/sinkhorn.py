@@ -59,7 +59,8 @@ def sinkhorn_direction(n: Float[Array, "V X"], *, tau: float, iters: int, eps: f
 
 
 def _tables(fn, ndim: int):
-    """``fn`` of one [V, X] table, vmapped over any leading axes (tables stacked by :mod:`~dsv41_jax.optim.stacking`)."""
+    """``fn`` of one [V, X] table, vmapped over any leading axes (tables stacked by
+    :mod:`~dsv41_jax.optim.stacking`)."""
     for _ in range(max(ndim - 2, 0)):
         fn = jax.vmap(fn)
     return fn

@@ -32,8 +32,11 @@ def test_gap_is_zero_without_approximations_and_matches_numpy_with_replay(small_
     table = {(r["setting"], r["boundary"]): r for r in rows}
     assert set(table) == {("none", "cold"), ("replay", "cold"), ("replay", "16"), ("replay", "25")}
     n_tokens = len(HITS) * 16  # 15 response tokens + <eos> per conversation
-    none = table["none", "cold"]  # the simulation without approximations runs the training forward's ops
-    assert abs(none["dnll"]) < 1e-6 and none["kl"] < 1e-9 and none["agree"] == 1 and none["tokens"] == n_tokens
+    # the simulation without approximations runs the training forward's ops, on other chunks of the rows: XLA:CPU
+    # may block their products differently, so the gap is fp32 rounding (measured 0 in one process, KL 1.5e-8
+    # under pytest's two workers), three orders below the smallest approximation below (replay: KL ~1.6e-3)
+    none = table["none", "cold"]
+    assert abs(none["dnll"]) < 1e-6 and none["kl"] < 1e-6 and none["agree"] == 1 and none["tokens"] == n_tokens
     # numpy oracle of the replay rows, from the logits of (a) the training forward and (b) the simulation
     exact = with_quant(small_model, CacheQuant(False, False, False))
     a = np.asarray(exact_logits(exact, batch), np.float64)

@@ -14,9 +14,9 @@ order of batched products. Stacking copies the operands once (one concatenation 
 apart by one split).
 
 Off by default (``optim.stack_leaves``): at ``configs/small.yaml`` the optimizer's update (with
-``apply_updates``) traces to 2.6k instead of 14.5k operations, yet XLA:CPU (jax 0.10.2) compiles it in 41.7 s
-instead of 19.7 s (``BENCHMARKS.md``); whether a GPU's fewer kernels and compile time pay is for the device to
-show (``train_bench.py ... --set optim.stack_leaves=true``).
+``apply_updates``) traces to 2.5k instead of 14.3k operations, yet XLA:CPU (jax 0.10.2) compiles it in 41.2 s
+instead of 20.1 s (``benchmarks/optim_bench.py``, BENCHMARKS.md); whether a GPU's fewer kernels and compile
+time pay is for the device to show (the same bench prints the update's device time there).
 """
 
 from __future__ import annotations

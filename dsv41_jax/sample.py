@@ -123,40 +123,69 @@ def sample(*, run: str | os.PathLike | None = None, ckpt: str | os.PathLike | No
         flag = "--speculative" if isinstance(err, SpeculativeError) else "--ids" if ids else "--prompt"
         raise ConfigError(f"{flag}: {err}") from None
 
-    write = write or _write
     stream = len(batch) == 1 and not ids and not images  # one text prompt: its text, then the continuation
-    new: list[list[int]] = [[] for _ in batch]
-    shown = [""] * len(batch)
     note = CompileNotice(f"prefill and decode ({len(batch)} row{'s' * (len(batch) > 1)}, {max_new_tokens} new tokens)")
+    out = (write or _write) if stream else None
 
-    def show(block, final: bool = False):  # [B, block] new ids; -1 once a row has stopped
-        if note.pending:  # the compile line first, then the text: a terminal shows stderr and stdout together
-            note.done()
-            if stream:
-                write(prompts[0])
-        for i, row in enumerate(block):
-            new[i] += [int(t) for t in row if t >= 0]
-            text = tok.decode(new[i], skip_special_tokens=False)  # whole rows: characters split across blocks
-            if not final and (text.endswith("\ufffd") or not text.startswith(shown[i])):
-                continue  # a character's bytes are not all there yet
-            # at the end, bytes that never completed a character are shown as the tokenizer decodes them
-            delta = text[len(shown[i]):] if text.startswith(shown[i]) else ""
-            shown[i] = text
-            if stream:
-                write(delta)
-            elif delta.strip():
-                log(f"[{i}] {delta}")
+    def start():  # the compile line first, then the text: a terminal shows stderr and stdout together
+        note.done()
+        if out is not None:
+            out(prompts[0])
 
-    outs = gen.generate(batch, seed=seed, on_block=show, images=vision)
-    show([[] for _ in batch], final=True)
-    if stream:
-        write("\n")
+    text = TextStream(tok, len(batch), write=out, log=log, start=start)
+    outs = gen.generate(batch, seed=seed, on_block=text, images=vision)
+    text.finish()
     if show_ids:
         for i, row in enumerate(outs):
             log(f"[{i}] ids {','.join(map(str, row))}")
     if speculative:
         log(acceptance_report(gen.stats))
     return outs
+
+
+class TextStream:
+    """Each row's new text as decode blocks arrive, shown without splitting a character.
+
+    A byte-level tokenizer spreads one character over several tokens, which may fall in different blocks: each
+    block decodes the row's whole generation so far and shows what follows the text already shown, holding back a
+    trailing incomplete character (decoded as U+FFFD) until its bytes arrive. :meth:`finish` shows what is still
+    held back, as the tokenizer decodes it (a generation may end mid-character). With ``write`` (one streamed row)
+    the text goes there as it is; otherwise each row's non-blank delta is logged as ``[row] text``. ``start`` runs
+    once, before the first block is shown.
+    """
+
+    def __init__(self, tok: Tokenizer, rows: int, *, write: Callable[[str], None] | None = None,
+                 log: Callable[[str], None] = _print, start: Callable[[], None] | None = None):
+        self.tok, self.write, self.log, self.start = tok, write, log, start
+        self.ids: list[list[int]] = [[] for _ in range(rows)]
+        self.shown = [""] * rows
+
+    def __call__(self, block: Sequence[Sequence[int]], final: bool = False) -> None:
+        """``block``: [rows, n] new ids, −1 once a row has stopped."""
+        if self.start is not None:  # once, before anything is shown
+            self.start, start = None, self.start
+            start()
+        for i, row in enumerate(block):
+            self.ids[i] += [int(t) for t in row if t >= 0]
+            text = self.tok.decode(self.ids[i], skip_special_tokens=False)
+            if not final:
+                text = text.rstrip("\ufffd")  # a character whose bytes are not all there yet: held back
+                if not text.startswith(self.shown[i]):
+                    continue
+            delta = text[len(self.shown[i]):] if text.startswith(self.shown[i]) else ""
+            if self.write is None and not delta.strip() and not final:
+                continue  # a log line of blanks alone: they go with the next text
+            self.shown[i] = text
+            if self.write is not None:
+                self.write(delta)
+            elif delta.strip():
+                self.log(f"[{i}] {delta}")
+
+    def finish(self) -> None:
+        """Show what each row still holds back; a streamed row ends its line."""
+        self([[] for _ in self.ids], final=True)
+        if self.write is not None:
+            self.write("\n")
 
 
 def _drafter(cfg, *, run, ckpt, hf_dir, drafter):

@@ -14,8 +14,9 @@ before P·V against the running max (the Mosaic kernel's rounding point); out th
 :func:`sparse_mqa_bwd` (backward, from that log-sum-exp). The XLA gradient (``api._query_grads``) gathers every
 query's L rows ([S, L, H] keys, 2.1 GB a layer at 8K × 512 × 256 bf16, and again for the row gradients in
 fp32), runs per-query products of N rows, then sums the row gradients into the entries with an fp32 scatter.
-This kernel adds each row's gradient straight into an fp32 dKV with the GPU's native fp32 atomics instead (an
-entry collects the gradients of the queries that picked it, in no fixed order), in two passes over the list:
+This kernel adds each row's gradient straight into an fp32 dKV with the GPU's native fp32 atomics instead, with
+relaxed ordering (``triton_atomics``: Pallas's own adds wait on a memory barrier each; an entry collects the
+gradients of the queries that picked it, in no fixed order), in two passes over the list:
 
 1. the probabilities ``p = exp(q·k·scale − lse)`` and ``dp = dO·k`` give ``Σ_l p_l dp_l`` per head (from the
    probabilities themselves, not ``dO·O``: O was rounded to the activation dtype, and ``dp − Σ p·dp`` cancels where
@@ -47,6 +48,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
+
+from pallas_kernels import triton_atomics
 
 HEADS = 16  # query heads a program (the smallest M of a Triton dot)
 KEYS = 32  # key rows a tile
@@ -115,10 +118,10 @@ def _bwd_kernel(idx_ref, q_ref, g_ref, lse_ref, kv_ref, dkv_in, dq_ref, delta_re
         dest = jnp.where(ok, rows, dump)
         if interpret:  # one row an add: the interpreter's gathered add (gather + set) keeps one of a repeated row
             for r in range(keys):
-                plt.atomic_add(dkv_ref, (b, pl.ds(dest[r], 1), pl.ds(0, dk.shape[1])), dk[r:r + 1])
+                triton_atomics.add(dkv_ref, (b, pl.ds(dest[r], 1), pl.ds(0, dk.shape[1])), dk[r:r + 1])
         else:
             mask = jnp.broadcast_to(ok[:, None], dk.shape)  # Triton wants the value's shape
-            plt.atomic_add(dkv_ref, (b, dest[:, None], lanes[None, :]), dk, mask=mask)
+            triton_atomics.add(dkv_ref, (b, dest[:, None], lanes[None, :]), dk, mask=mask)
         return dq
 
     dq = jax.lax.fori_loop(0, tiles, second, jnp.zeros(q.shape, jnp.float32))

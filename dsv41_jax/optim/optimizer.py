@@ -51,12 +51,18 @@ def adamw(cfg: OptimConfig, weight_decay: float, lr: optax.ScalarOrSchedule | No
         optax.scale_by_learning_rate(lr_schedule(cfg) if lr is None else lr))
 
 
+def stacked(cfg: OptimConfig) -> bool:
+    """Whether the groups' transforms run on stacked leaves: ``cfg.stack_leaves``, or where it is None, off the CPU
+    (stacking compiles faster and runs a little faster on a GPU, yet compiles 2× slower on XLA:CPU)."""
+    return cfg.stack_leaves if cfg.stack_leaves is not None else jax.default_backend() != "cpu"
+
+
 def group_transforms(model_cfg: ModelConfig, cfg: OptimConfig,
                      lr: optax.ScalarOrSchedule | None = None) -> dict[str, optax.GradientTransformation]:
     """The transform of every label of :mod:`dsv41_jax.optim.labels` (``lr`` overrides the schedule), each run
-    on stacked groups of same-shaped leaves unless ``cfg.stack_leaves`` is off (:mod:`dsv41_jax.optim.stacking`)."""
+    on stacked groups of same-shaped leaves where :func:`stacked` says so (:mod:`dsv41_jax.optim.stacking`)."""
     a = model_cfg.attention
-    wrap = stack_leaves if cfg.stack_leaves else (lambda tx: tx)
+    wrap = stack_leaves if stacked(cfg) else (lambda tx: tx)
     return {
         L.MUON: wrap(muon(cfg, 1, lr)),
         L.MUON_Q_HEADS: wrap(muon(cfg, a.n_heads, lr)),

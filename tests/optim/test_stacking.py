@@ -88,3 +88,13 @@ def test_stacking_shrinks_the_optimizer_program(tiny_cfg, rng):
 
     stacked, plain = count(True), count(False)
     assert stacked < plain / 3, (stacked, plain)
+
+
+def test_stacking_by_default_is_off_on_the_cpu_and_on_elsewhere(monkeypatch):
+    from dsv41_jax.optim.optimizer import stacked
+
+    assert stacked(OptimConfig(stack_leaves=True)) and not stacked(OptimConfig(stack_leaves=False))
+    assert OptimConfig().stack_leaves is None and not stacked(OptimConfig())  # these tests run on the CPU
+    for backend, on in (("gpu", True), ("tpu", True), ("cpu", False)):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert stacked(OptimConfig()) is on

@@ -73,14 +73,16 @@ def _primitive():
 
 
 _BIND = _primitive()
-RELAXED = _BIND is not None  # whether :func:`add` lowers with relaxed ordering (else it is plt.atomic_add)
+RELAXED = _BIND is not None  # whether this JAX lets :func:`add` lower with relaxed ordering
+# read when a kernel is traced: False gives Pallas's own acquire-release add (the bench's baseline)
+USE_RELAXED = RELAXED
 
 
 def add(ref, idx, val, *, mask=None) -> None:
     """``ref[idx] += val`` atomically, unordered with respect to the program's other memory operations (what a
     sum into HBM needs); ``mask`` as ``plt.atomic_add``'s (the value's full shape). Nothing may read ``ref``'s
     sums in the same kernel."""
-    if _BIND is None:
+    if _BIND is None or not USE_RELAXED:
         plt.atomic_add(ref, idx, val, mask=mask)
     else:
         _BIND(ref, idx, val, mask)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import benchutil, devtime
+from pallas_kernels import benchutil, devtime, triton_atomics
 from pallas_kernels.sparse_attention import api, layout, reference, triton_mqa
 from pallas_kernels.sparse_attention import mosaic as mk
 
@@ -133,7 +133,8 @@ def forward(b: int, s: int, t: int, iters: int, *, n: int = N, h: int = H, slots
 
 
 def backward(b: int, s: int, t: int, iters: int, *, n: int = N, h: int = H) -> None:
-    """The backward alone (the Triton kernel against XLA's gather + products + fp32 scatter, from the same
+    """The backward alone (the Triton kernel in tile variants, and with Pallas's acquire-release atomic adds
+    instead of ``triton_atomics``' relaxed ones, against XLA's gather + products + fp32 scatter, from the same
     log-sum-exp), then forward + backward through the model's call on each backend."""
     args, _ = inputs(b, s, t, n=n, h=h)
     q, wkv, sink, window, ckv, top = args
@@ -144,13 +145,19 @@ def backward(b: int, s: int, t: int, iters: int, *, n: int = N, h: int = H) -> N
     lse = jax.jit(lambda *a: reference.sparse_mqa(*a, scale)[1])(q, main, extra, idx, sink)
     alone = {f"triton_bwd {k}x{w}": jax.jit(lambda *a, k=k, w=w: triton_mqa.sparse_mqa_bwd(
         *a, scale, keys=k, num_warps=w)[:3]) for k, w in TRITON_VARIANTS}
+    alone["triton_bwd acquire-release adds"] = jax.jit(lambda *a: triton_mqa.sparse_mqa_bwd(*a, scale)[:3])
     alone["xla"] = jax.jit(lambda q, m, e, i, lse_, g: api._bwd(scale, False, "cpu", (q, m, e, i, sink, lse_), g)[:3])
     for name, fn in alone.items():
+        if "acquire-release" in name:  # Pallas's own adds: read when traced, so nothing cached may serve
+            triton_atomics.USE_RELAXED = False
+            jax.clear_caches()
         try:
             us = timed(fn, q, main, extra, idx, lse, g, iters=iters)
         except Exception as e:  # a variant that does not compile (registers, shared memory): say so, go on
             print(json.dumps({"op": "backward", "impl": name, "error": str(e).splitlines()[0][:200]}), flush=True)
             continue
+        finally:
+            triton_atomics.USE_RELAXED = triton_atomics.RELAXED
         tf = flops / us / 1e6
         print(json.dumps({"op": "backward", "impl": name, "b": b, "s": s, "t": t, "n": n, "h": h, "us": round(us, 1),
                           "tflops": round(tf, 1), "peak_share": round(tf / PEAK_TFLOPS, 3),

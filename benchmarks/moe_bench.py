@@ -99,12 +99,14 @@ def layer(a) -> None:
     for impl in a.impls.split(","):
         row = {"impl": impl}
         try:
-            def fwd(st, x, w, i=impl):
+            # the picks and the cotangent are arguments: as closed-over constants XLA would fold the sort and
+            # the cotangent's gathers into the program, which a training step cannot
+            def fwd(st, x, w, picks, i=impl):
                 return routed_experts(x, picks, w, nnx.merge(graphdef, st), 10.0, implementation=i, path="grouped")
 
-            grad = jax.grad(lambda st, x, w: jnp.sum(fwd(st, x, w) * cot), argnums=(0, 1, 2))
-            c_f, t_f = timed(fwd, state, x, weights)
-            c_b, t_b = timed(grad, state, x, weights)
+            grad = jax.grad(lambda st, x, w, p, c: jnp.sum(fwd(st, x, w, p) * c), argnums=(0, 1, 2))
+            c_f, t_f = timed(fwd, state, x, weights, picks)
+            c_b, t_b = timed(grad, state, x, weights, picks, cot)
             row |= {"fwd_compile_s": c_f, "fwd_ms": t_f * 1e3, "fwd_TFLOPs": flops / t_f / 1e12,
                     "fwd_bwd_compile_s": c_b, "fwd_bwd_ms": t_b * 1e3, "fwd_bwd_TFLOPs": 3 * flops / t_b / 1e12}
         except Exception as err:  # noqa: BLE001 -- an implementation that fails here is a result

@@ -360,7 +360,7 @@ def _to_copies(x: Float[Array, "T D"], order: Int[Array, "N"], inverse: Int[Arra
     """Row ``i`` is token ``order[i] // k``'s copy (``N = T·K``, ``inverse`` the inverse permutation of
     ``order``). Its transpose (:func:`_from_copies`) puts the copies back in token order by ``inverse`` and
     sums each token's ``k`` of them in fp32: a gather and a reduction, never a scatter-add."""
-    return jnp.take(x, order // k, axis=0)
+    return x.at[order // k].get(mode="promise_in_bounds")  # a permutation's rows: no bounds select to fuse
 
 
 def _to_copies_fwd(x, order, inverse, k):
@@ -381,7 +381,7 @@ def _from_copies(y: Float[Array, "N D"], order: Int[Array, "N"], inverse: Int[Ar
     """Σ over each token's ``k`` copies of ``y`` (rows in :func:`_to_copies`' order), in fp32; the transpose of
     :func:`_to_copies`."""
     t = y.shape[0] // k
-    back = jnp.take(y, inverse, axis=0).astype(jnp.float32)
+    back = y.at[inverse].get(mode="promise_in_bounds", unique_indices=True).astype(jnp.float32)
     return back.reshape(t, k, y.shape[-1]).sum(1)
 
 

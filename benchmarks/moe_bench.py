@@ -13,7 +13,9 @@ TFLOP/s count 2·rows·dim·inter for the forward and three times that for forwa
 expert, the token copies, the three grouped products with the clamped SwiGLU and the weighted sum back to
 tokens), ``rows / k`` tokens of ``k`` picks drawn at random, forward and the gradient of ``sum(out · cot)`` with
 respect to the tokens, the routing weights and the three expert matrices; TFLOP/s count the three products.
-Run it with another tree first on ``PYTHONPATH`` for a before / after of the layer's code.
+Run it with another tree first on ``PYTHONPATH`` for a before / after of the layer's code. ``--kernels N`` (GPU):
+also the forward + backward's N costliest kernels from a profiler trace (µs a call, XLA's kernel names), and
+``--hlo DIR`` writes its optimized HLO there: what each fusion fuses, and its layouts.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def main() -> None:
     p.add_argument("--impls", default="xla,tokamax")
     p.add_argument("--layer", action="store_true", help="time the whole routed path of one layer")
     p.add_argument("--k", type=int, default=4, help="picks per token (--layer)")
+    p.add_argument("--kernels", type=int, default=0, help="--layer on GPU: list the N costliest kernels")
+    p.add_argument("--hlo", default=None, help="--layer: write the forward + backward's optimized HLO here")
     a = p.parse_args()
     if a.layer:
         return layer(a)
@@ -107,11 +111,32 @@ def layer(a) -> None:
             grad = jax.grad(lambda st, x, w, p, c: jnp.sum(fwd(st, x, w, p) * c), argnums=(0, 1, 2))
             c_f, t_f = timed(fwd, state, x, weights, picks)
             c_b, t_b = timed(grad, state, x, weights, picks, cot)
+            row |= kernels(jax.jit(grad), (state, x, weights, picks, cot), a, impl)
             row |= {"fwd_compile_s": c_f, "fwd_ms": t_f * 1e3, "fwd_TFLOPs": flops / t_f / 1e12,
                     "fwd_bwd_compile_s": c_b, "fwd_bwd_ms": t_b * 1e3, "fwd_bwd_TFLOPs": 3 * flops / t_b / 1e12}
         except Exception as err:  # noqa: BLE001 -- an implementation that fails here is a result
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         print(json.dumps(row), flush=True)
+
+
+def kernels(fn, args, a, impl: str) -> dict:
+    """``--hlo``: the optimized HLO of ``fn`` into a file; ``--kernels``: its costliest kernels on a GPU."""
+    out = {}
+    if a.hlo:
+        from pathlib import Path
+
+        path = Path(a.hlo) / f"moe_layer_fwd_bwd_{impl}.hlo.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(fn.lower(*args).compile().as_text())
+        out["hlo"] = str(path)
+    if a.kernels:
+        from pallas_kernels import devtime
+
+        d = devtime.device_time(fn, *args, calls=5)
+        if d is not None:
+            costly = sorted(d["last_call"], key=lambda r: -r[1])[:a.kernels]
+            out |= {"busy_us": d["busy_us"], "kernels_per_call": d["kernels_per_call"], "costliest_us": costly}
+    return out
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def kernel_platform(q: jax.Array, rows: int) -> str:
 # whether the GPU backward of fewer than 64 heads runs ``triton_mqa.sparse_mqa_bwd`` (dQ and dKV in one kernel,
 # the row gradients added into dKV by relaxed fp32 atomics) instead of XLA's gather + per-query products + fp32
 # scatter. On an H100 at configs/small.yaml's 16 heads x 256, 8K queries: 3.45 ms against 11.28 (BENCHMARKS.md).
-# At 64 heads x 512 (four head blocks adding into dKV each) it took 26.3-38.5 ms against XLA's 25.7, so the XLA
+# At 64 heads x 512 (four head blocks adding into dKV each) it took 26.3 ms against XLA's 25.7, so the XLA
 # backward stays there
 TRITON_BACKWARD = True
 

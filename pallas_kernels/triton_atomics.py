@@ -5,8 +5,8 @@ on a memory barrier before the next memory operation of its thread may issue. A 
 (the sparse attention backward's dKV: each entry collects the row gradients of the ~1,000 queries that picked
 it) needs no ordering between its adds, only their completion when the kernel ends; relaxed ordering is what
 XLA's own scatter-add emits. Measured on one H100 (``BENCHMARKS.md``): ``triton_mqa.sparse_mqa_bwd`` at
-``configs/small.yaml``'s 16 heads × 256 and 8K queries took 9.76 ms with acquire-release adds (Nsight Compute:
-43 % of the warps' cycles stalled on the memory barrier) and 3.44 ms with relaxed ones, with the same sums.
+``configs/small.yaml``'s 16 heads × 256 and 8K queries took 9.78 ms with acquire-release adds (Nsight Compute:
+43 % of the warps' cycles stalled on the memory barrier) and 3.45 ms with relaxed ones, with the same sums.
 
 JAX offers no ordering argument, so :func:`add` binds a primitive of its own that reuses ``atomic_rmw``'s
 abstract evaluation, its discharge rule (the Pallas interpreter) and its Triton lowering, the last with the

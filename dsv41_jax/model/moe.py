@@ -360,7 +360,7 @@ def _to_copies(x: Float[Array, "T D"], order: Int[Array, "N"], inverse: Int[Arra
     """Row ``i`` is token ``order[i] // k``'s copy (``N = T·K``, ``inverse`` the inverse permutation of
     ``order``). Its transpose (:func:`_from_copies`) puts the copies back in token order by ``inverse`` and
     sums each token's ``k`` of them in fp32: a gather and a reduction, never a scatter-add."""
-    return x.at[order // k].get(mode="promise_in_bounds")  # a permutation's rows: no bounds select to fuse
+    return x.at[order // k].get(mode="promise_in_bounds")  # in bounds by construction: no bounds select
 
 
 def _to_copies_fwd(x, order, inverse, k):

@@ -65,3 +65,19 @@ def test_the_add_lowers_to_a_relaxed_atomic_and_pallas_default_is_left_alone():
     assert ours and all("tt.atomic_rmw fadd, relaxed, gpu" in line for line in ours), ours
     # the builder swap is undone after lowering: Pallas's own add keeps its ordering
     assert theirs and all("tt.atomic_rmw fadd, acq_rel, gpu" in line for line in theirs), theirs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("add", [triton_atomics.add, plt.atomic_add], ids=["relaxed", "acq_rel"])
+def test_compiled_adds_sum_every_programs_rows_on_gpu(add):
+    """On the device, rows repeated within a program's block and across 64 programs: every add lands (the
+    gathered add as the sparse backward issues it, unmasked), relaxed or not."""
+    rng = np.random.default_rng(1)
+    programs, rows, entries = 64, 16, 12
+    dest = rng.integers(0, entries, (programs, rows)).astype(np.int32)
+    val = rng.standard_normal((programs, rows, 8)).astype(np.float32)
+    want = np.zeros((entries, 8), np.float32)
+    np.add.at(want, dest.reshape(-1), val.reshape(-1, 8))
+    got = jax.jit(_adder(add, rows, programs, interpret=False))(jnp.asarray(dest), jnp.asarray(val),
+                                                                jnp.zeros((entries, 8), jnp.float32))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

@@ -30,27 +30,30 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def fake_cpu_env(n_devices: int = 8) -> dict[str, str]:
+def fake_cpu_env(n_devices: int = 8, extra_flags: tuple[str, ...] = ()) -> dict[str, str]:
     """This process's environment for a child Python with ``n_devices`` fake CPU devices: the device count
-    added to the XLA flags of the environment, any other device count replaced."""
+    (and ``extra_flags``) added to the XLA flags of the environment, any other device count replaced."""
     import os
 
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-    return dict(os.environ, XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={n_devices}"]),
-                JAX_PLATFORMS="cpu")
+    return dict(os.environ, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=" ".join([*flags, *extra_flags, f"--xla_force_host_platform_device_count={n_devices}"]))
 
 
-def run_on_fake_cpus(script, n_devices: int = 8, timeout: int = 900) -> list[dict]:
+def run_on_fake_cpus(script, n_devices: int = 8, timeout: int = 900, *, compile_only: bool = False) -> list[dict]:
     """Run ``script`` in a child Python with ``n_devices`` fake CPU devices; its JSON lines, parsed.
 
-    A child is needed because the test process has already initialised JAX with one device.
+    A child is needed because the test process has already initialised JAX with one device. ``compile_only``:
+    the child only compiles and reads the programs (no numerics), so its LLVM runs at -O0 (the collectives
+    child: 89 -> 69 s on 2 cores, the same report).
     """
     import json
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(script)], env=fake_cpu_env(n_devices), capture_output=True, text=True,
-                         timeout=timeout)
+    extra = ("--xla_backend_optimization_level=0",) if compile_only else ()
+    out = subprocess.run([sys.executable, str(script)], env=fake_cpu_env(n_devices, extra), capture_output=True,
+                         text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert rows, out.stdout[-2000:]

@@ -26,7 +26,6 @@ from dsv41_jax.config import MoEConfig
 from dsv41_jax.config.schema import ROUTED_PATHS
 from dsv41_jax.model.layers import Linear, gradient_dtype, normal
 from dsv41_jax.sharding import BATCH_AXES, PARAM_AXES, batch_local, param
-from pallas_kernels import row_gather
 
 
 class RouterBias(nnx.Variable):
@@ -355,25 +354,13 @@ def _local_experts(x: Float[Array, "U D"], experts: Int[Array, "U K"], weights: 
     return _from_copies(grouped(act.astype(x.dtype), w2), order, inverse, k)
 
 
-# On GPU the copies' row gathers run as a Pallas kernel (pallas_kernels.row_gather), whose output is row-major
-# whatever reads it; None: not yet decided by a measurement, XLA's gather.
-ROW_GATHER_KERNEL: bool | None = None
-
-
-def _permute(x: Float[Array, "N D"], rows: Int[Array, " M"], unique: bool = False) -> Float[Array, "M D"]:
-    """``x[rows]`` for rows in bounds by construction (no bounds select); ``unique``: no row taken twice."""
-    if ROW_GATHER_KERNEL and jax.default_backend() == "gpu" and row_gather.applies(x, rows):
-        return row_gather.gather_rows(x, rows)
-    return x.at[rows].get(mode="promise_in_bounds", unique_indices=unique)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _to_copies(x: Float[Array, "T D"], order: Int[Array, "N"], inverse: Int[Array, "N"], k: int
                ) -> Float[Array, "N D"]:
     """Row ``i`` is token ``order[i] // k``'s copy (``N = T·K``, ``inverse`` the inverse permutation of
     ``order``). Its transpose (:func:`_from_copies`) puts the copies back in token order by ``inverse`` and
     sums each token's ``k`` of them in fp32: a gather and a reduction, never a scatter-add."""
-    return _permute(x, order // k)
+    return x.at[order // k].get(mode="promise_in_bounds")  # in bounds by construction: no bounds select
 
 
 def _to_copies_fwd(x, order, inverse, k):
@@ -394,7 +381,7 @@ def _from_copies(y: Float[Array, "N D"], order: Int[Array, "N"], inverse: Int[Ar
     """Σ over each token's ``k`` copies of ``y`` (rows in :func:`_to_copies`' order), in fp32; the transpose of
     :func:`_to_copies`."""
     t = y.shape[0] // k
-    back = _permute(y, inverse, unique=True).astype(jnp.float32)
+    back = y.at[inverse].get(mode="promise_in_bounds", unique_indices=True).astype(jnp.float32)
     return back.reshape(t, k, y.shape[-1]).sum(1)
 
 

@@ -54,18 +54,20 @@ def hc_params(cfg: MHCConfig, dim: int, rngs: nnx.Rngs) -> tuple[nnx.Param, nnx.
             param("hc_vector", jnp.ones((3,), jnp.float32)))
 
 
-# Up to this many rows (B·S: a decode step, a short chunk) collapse and expand are written out as sums over
-# the M streams, so that XLA fuses each into one elementwise kernel; as products, XLA:GPU ran expand as a
-# GEMM kernel plus an add (one decode site on an H100, benchmarks/decode_forms.py: 27.2 -> 17.4 µs at batch
-# 1, 27.8 -> 22.3 µs at batch 32). Longer chunks and training keep the products (their backward as matmuls),
-# and so do CPU and TPU: on XLA:CPU (jax 0.10.2) the written-out forms reach its YNNPACK fusions, which
-# computed training steps and sharded forwards wrong (the same tests pass with
-# --xla_cpu_experimental_ynn_fusion_type=); on TPU they are unmeasured.
-WRITTEN_OUT_ROWS = 1024
+# On GPU collapse and expand are written out as sums over the M streams, so that XLA fuses each into one
+# elementwise kernel. As products, XLA:GPU ran expand as a GEMM kernel plus an add (one decode site on an H100,
+# benchmarks/decode_forms.py: 27.2 -> 17.4 µs at batch 1, 27.8 -> 22.3 µs at batch 32), and at training rows
+# as batched fp32 GEMMs of M-wide matrices (a block's two sites at 8,192 rows on an H200, the program of
+# `benchmarks/mhc_bench.py --site`, BENCHMARKS.md: forward 942 -> 613 µs, forward + backward 4,386 -> 3,851 µs).
+# CPU and TPU keep the products:
+# on XLA:CPU (jax 0.10.2) the written-out forms reach its YNNPACK fusions, which computed training steps and
+# sharded forwards wrong (the same tests pass with --xla_cpu_experimental_ynn_fusion_type=); on TPU they are
+# unmeasured.
 
 
 def _written_out(x: jax.Array) -> bool:
-    return jax.default_backend() == "gpu" and math.prod(x.shape[:-2]) <= WRITTEN_OUT_ROWS
+    del x  # every row count on GPU
+    return jax.default_backend() == "gpu"
 
 
 def hc_mixes(x: Float[Array, "B S M D"], fn: ArrayLike, base: ArrayLike, scale: ArrayLike, cfg: MHCConfig,

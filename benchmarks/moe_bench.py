@@ -1,7 +1,7 @@
 """The routed experts' grouped matmul on the device: ``moe.grouped_matmul``'s implementations, forward and
 forward + backward, at a training shape.
 
-    python benchmarks/moe_bench.py [--rows 32768] [--dim 1024] [--inter 384] [--experts 16] [--impls xla,tokamax]
+    python benchmarks/moe_bench.py [--rows 32768] [--dim 1024] [--inter 384] [--experts 16] [--impls xla,tokamax,pallas]
     python benchmarks/moe_bench.py --layer [--k 4] ...
 
 Rows are tokens × activated experts (``configs/small.yaml`` at 8K: 8,192 × 4), split evenly over the experts.
@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--inter", type=int, default=384)
     p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--impls", default="xla,tokamax")
+    p.add_argument("--impls", default="xla,tokamax,pallas")
     p.add_argument("--layer", action="store_true", help="time the whole routed path of one layer")
     p.add_argument("--k", type=int, default=4, help="picks per token (--layer)")
     p.add_argument("--kernels", type=int, default=0, help="--layer on GPU: list the N costliest kernels")

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 
 KERNEL_BACKENDS = ("xla", "pallas")  # = pallas_kernels.*.api.BACKENDS
-GROUPED_MATMULS = ("auto", "xla", "tokamax")  # = dsv41_jax.model.moe.grouped_matmul's implementations
+GROUPED_MATMULS = ("auto", "xla", "tokamax", "pallas")  # = dsv41_jax.model.moe.grouped_matmul's implementations
 ROUTED_PATHS = ("auto", "gather", "dense", "grouped")  # dsv41_jax.model.moe.routed_path
 
 
@@ -90,7 +90,8 @@ class MoEConfig:
     norm_topk_prob: bool = True
     gate_temp: float = 1.0
     # the routed experts' grouped matmul (dsv41_jax.model.moe.grouped_matmul): auto = tokamax's kernel on GPU
-    # when it is installed (extra `gpu`), else lax.ragged_dot; or force `xla` / `tokamax`
+    # when it is installed (extra `gpu`), else lax.ragged_dot; or force `xla` / `tokamax` / `pallas` (Triton
+    # kernels over the groups' own rows, pallas_kernels.grouped_matmul; not yet timed)
     grouped_matmul: str = "auto"
     # how the routed experts are read (dsv41_jax.model.moe.routed_path): auto = gather only the picked experts'
     # weights when that moves fewer bytes than reading all of them (decode), else on GPU every expert on every

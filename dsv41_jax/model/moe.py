@@ -26,6 +26,7 @@ from dsv41_jax.config import MoEConfig
 from dsv41_jax.config.schema import ROUTED_PATHS
 from dsv41_jax.model.layers import Linear, gradient_dtype, normal
 from dsv41_jax.sharding import BATCH_AXES, PARAM_AXES, batch_local, param
+from pallas_kernels import grouped_matmul as pallas_grouped
 
 
 class RouterBias(nnx.Variable):
@@ -132,14 +133,21 @@ def grouped_matmul(lhs: Float[Array, "U X"], rhs: Float[Array, "E X Y"], sizes: 
 
     ``implementation``: ``xla`` (``lax.ragged_dot``: a loop over groups on CPU/TPU, densified on GPU, ~16
     TFLOP/s on the H200), ``tokamax`` (its ``ragged_dot`` forward: a Mosaic GPU kernel where the shapes allow,
-    tokamax chooses, and falls back to XLA elsewhere), or ``auto``: tokamax on GPU when it is installed, else
-    XLA. The gradients are XLA's transpose of ``lax.ragged_dot`` in the operands' dtype, as
-    :func:`~dsv41_jax.model.layers.mixed_einsum` computes them (:func:`_grouped`).
+    tokamax chooses, and falls back to XLA elsewhere), ``pallas`` (``pallas_kernels.grouped_matmul``: Triton
+    kernels for the forward and both gradients, each over the groups' own rows; GPU only, not yet timed), or
+    ``auto``: tokamax on GPU when it is installed, else XLA. The gradients are XLA's transpose of
+    ``lax.ragged_dot`` in the operands' dtype, as :func:`~dsv41_jax.model.layers.mixed_einsum` computes them
+    (:func:`_grouped`), or the Pallas kernels' with ``pallas``.
     """
     if implementation == "auto":
         implementation = "tokamax" if jax.default_backend() == "gpu" and _tokamax() is not None else "xla"
-    if implementation not in ("xla", "tokamax"):
-        raise ValueError(f"grouped_matmul implementation must be auto, xla or tokamax, got {implementation!r}")
+    if implementation not in ("xla", "tokamax", "pallas"):
+        raise ValueError(f"grouped_matmul implementation must be auto, xla, tokamax or pallas, got {implementation!r}")
+    if implementation == "pallas":
+        if not pallas_grouped.applies(lhs, rhs):
+            raise ValueError(f"grouped_matmul pallas: experts of {rhs.shape[1]} x {rhs.shape[2]}; the kernels take "
+                             "multiples of 16")
+        return _pallas_grouped(lhs, rhs, sizes, jax.default_backend() != "gpu")
     if implementation == "tokamax" and _tokamax() is None:
         raise ImportError(f"moe.grouped_matmul: tokamax does not import ({_TOKAMAX_ERROR[0]}); pip install "
                           "'dsv41-jax[gpu]'")
@@ -192,6 +200,28 @@ def _grouped_bwd(implementation, res, g):
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _pallas_grouped(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool) -> jax.Array:
+    """The Pallas kernels' grouped matmul, fp32 out; its gradients are the same kernels (``interpret``: off GPU,
+    the Pallas interpreter: tests). With bf16 operands the cotangent is rounded to bf16, as :func:`_grouped`."""
+    return pallas_grouped.rows_matmul(lhs, rhs, sizes, interpret=interpret)
+
+
+def _pallas_grouped_fwd(lhs, rhs, sizes, interpret):
+    return _pallas_grouped(lhs, rhs, sizes, interpret), (lhs, rhs, sizes)
+
+
+def _pallas_grouped_bwd(interpret, res, g):
+    lhs, rhs, sizes = res
+    g = g.astype(gradient_dtype(lhs, rhs))
+    d_lhs = pallas_grouped.rows_matmul(g, jnp.swapaxes(rhs, 1, 2).astype(g.dtype), sizes, interpret=interpret)
+    d_rhs = pallas_grouped.weights_matmul(lhs.astype(g.dtype), g, sizes, interpret=interpret)
+    return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None
+
+
+_pallas_grouped.defvjp(_pallas_grouped_fwd, _pallas_grouped_bwd)
 
 _TOKAMAX_ERROR: list[str] = []
 

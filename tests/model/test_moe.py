@@ -346,7 +346,7 @@ def test_grouped_matmul_xla_is_the_grouped_product_with_zero_tail(rng):
     want_da, want_drhs = _grouped_grads_oracle(lhs, rhs, sizes, cot)
     np.testing.assert_allclose(da, want_da, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(drhs, want_drhs, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="auto, xla or tokamax, got 'cublas'"):
+    with pytest.raises(ValueError, match="auto, xla, tokamax or pallas, got 'cublas'"):
         grouped_matmul(lhs, rhs, sizes, "cublas")
 
 
@@ -375,6 +375,33 @@ def test_grouped_matmul_backward_runs_in_bf16(rng):
         want = np.asarray(jnp.asarray(want, jnp.float32).astype(jnp.bfloat16), np.float32)
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2 ** -7, atol=1e-6)
     assert mixed_products(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(lhs, rhs).jaxpr) == []
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grouped_matmul_pallas_equals_xla_forward_and_gradients(rng, dtype):
+    """``implementation="pallas"`` (the Pallas interpreter here; Triton on GPU) against lax.ragged_dot: an empty
+    group, groups ending mid-tile, rows past the last group zero in the output and the input gradient. fp32: to
+    summation order; bf16: both are bf16 products of the bf16 cotangent with fp32 sums, rounded once."""
+    from dsv41_jax.model.moe import grouped_matmul
+
+    sizes = jnp.asarray([37, 0, 70, 1, 50], jnp.int32)  # 158 of 176 rows
+    lhs = jnp.asarray(rng.normal(size=(176, 64)), dtype)
+    rhs = jnp.asarray(rng.normal(size=(5, 64, 48)) * 0.125, dtype)
+    cot = jnp.asarray(rng.normal(size=(176, 48)), jnp.float32)
+
+    def run(impl):
+        out = grouped_matmul(lhs, rhs, sizes, impl)
+        return out, jax.grad(lambda a, b: jnp.sum(grouped_matmul(a, b, sizes, impl) * cot), argnums=(0, 1))(lhs, rhs)
+
+    (y1, (da1, db1)), (y0, (da0, db0)) = run("pallas"), run("xla")
+    assert not np.asarray(y1[158:]).any() and not np.asarray(da1[158:], np.float32).any()
+    assert da1.dtype == lhs.dtype and db1.dtype == rhs.dtype
+    tol = 1e-5 if dtype == jnp.float32 else 2 ** -7
+    for got, want in ((y1, y0), (da1, da0), (db1, db0)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    with pytest.raises(ValueError, match="experts of 64 x 24; the kernels take multiples of 16"):
+        grouped_matmul(lhs, rhs[..., :24], sizes, "pallas")
 
 
 def test_tokamax_path_takes_its_forward_and_xla_gradients(rng, monkeypatch):
@@ -428,6 +455,30 @@ def test_grouped_matmul_tokamax_equals_xla_on_gpu(rng):
         return out, jax.jit(jax.grad(fun, argnums=(0, 1)))(lhs, rhs)
 
     (y1, (da1, db1)), (y0, (da0, db0)) = run("tokamax"), run("xla")
+    assert not np.asarray(y1[sizes.sum():]).any()
+    for got, want in ((y1, y0), (da1, da0), (db1, db0)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()  # bf16 operands, fp32 sums in either order
+
+
+@pytest.mark.gpu
+def test_grouped_matmul_pallas_equals_xla_on_gpu(rng):
+    """The Triton kernels against lax.ragged_dot in bf16 at a training-like shape (uneven groups, an empty one,
+    rows past the last group), forward and both gradients."""
+    from dsv41_jax.model.moe import grouped_matmul
+
+    rows, d, f = 4096, 256, 384
+    sizes = np.array([700, 0, 1, 513, 64, 1500, 300, 900], np.int32)  # 3,978 of 4,096 rows
+    lhs = jnp.asarray(rng.normal(size=(rows, d)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(len(sizes), d, f)) * d ** -0.5, jnp.bfloat16)
+    cot = jnp.asarray(rng.normal(size=(rows, f)), jnp.float32)
+
+    def run(impl):
+        fun = lambda a, b: jnp.sum(grouped_matmul(a, b, jnp.asarray(sizes), impl) * cot)
+        out = jax.jit(lambda a, b: grouped_matmul(a, b, jnp.asarray(sizes), impl))(lhs, rhs)
+        return out, jax.jit(jax.grad(fun, argnums=(0, 1)))(lhs, rhs)
+
+    (y1, (da1, db1)), (y0, (da0, db0)) = run("pallas"), run("xla")
     assert not np.asarray(y1[sizes.sum():]).any()
     for got, want in ((y1, y0), (da1, da0), (db1, db0)):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)

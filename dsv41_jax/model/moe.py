@@ -134,7 +134,8 @@ def grouped_matmul(lhs: Float[Array, "U X"], rhs: Float[Array, "E X Y"], sizes: 
     ``implementation``: ``xla`` (``lax.ragged_dot``: a loop over groups on CPU/TPU, densified on GPU, ~16
     TFLOP/s on the H200), ``tokamax`` (its ``ragged_dot`` forward: a Mosaic GPU kernel where the shapes allow,
     tokamax chooses, and falls back to XLA elsewhere), ``pallas`` (``pallas_kernels.grouped_matmul``: Triton
-    kernels for the forward and both gradients, each over the groups' own rows; GPU only, not yet timed), or
+    kernels for the forward and both gradients, each over the groups' own rows; GPU, the Pallas interpreter on
+    CPU for tests, refused elsewhere; not yet timed), or
     ``auto``: tokamax on GPU when it is installed, else XLA. The gradients are XLA's transpose of
     ``lax.ragged_dot`` in the operands' dtype, as :func:`~dsv41_jax.model.layers.mixed_einsum` computes them
     (:func:`_grouped`), or the Pallas kernels' with ``pallas``.
@@ -147,7 +148,10 @@ def grouped_matmul(lhs: Float[Array, "U X"], rhs: Float[Array, "E X Y"], sizes: 
         if not pallas_grouped.applies(lhs, rhs):
             raise ValueError(f"grouped_matmul pallas: experts of {rhs.shape[1]} x {rhs.shape[2]}; the kernels take "
                              "multiples of 16")
-        return _pallas_grouped(lhs, rhs, sizes, jax.default_backend() != "gpu")
+        if jax.default_backend() not in ("gpu", "cpu"):
+            raise ValueError(f"grouped_matmul pallas: Triton kernels for GPU (the interpreter on CPU), not "
+                             f"{jax.default_backend()}; use xla")
+        return _pallas_grouped(lhs, rhs, sizes, jax.default_backend() == "cpu")
     if implementation == "tokamax" and _tokamax() is None:
         raise ImportError(f"moe.grouped_matmul: tokamax does not import ({_TOKAMAX_ERROR[0]}); pip install "
                           "'dsv41-jax[gpu]'")

@@ -436,39 +436,19 @@ def test_tokamax_path_takes_its_forward_and_xla_gradients(rng, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_grouped_matmul_tokamax_equals_xla_on_gpu(rng):
-    """tokamax's kernel (``auto`` on GPU) against lax.ragged_dot in bf16 at a training-like shape, forward and
-    both gradients; rows past the last group stay zero."""
+@pytest.mark.parametrize("impl,sizes", [
+    ("tokamax", [248] * 16),  # tokamax's kernel (``auto`` on GPU where installed): 16 even groups
+    ("pallas", [700, 0, 1, 513, 64, 1500, 300, 900]),  # the Triton kernels: uneven groups, an empty one
+])
+def test_grouped_matmul_kernels_equal_xla_on_gpu(rng, impl, sizes):
+    """A kernel implementation against lax.ragged_dot in bf16 at a training-like shape (4,096 rows, some past
+    the last group), forward and both gradients; rows past the last group stay zero."""
     from dsv41_jax.model.moe import _tokamax, grouped_matmul
 
-    if _tokamax() is None:
+    if impl == "tokamax" and _tokamax() is None:
         pytest.skip("tokamax is not installed (extra gpu)")
-    rows, d, f, e = 4096, 256, 384, 16
-    sizes = np.full(e, rows // e - 8, np.int32)
-    lhs = jnp.asarray(rng.normal(size=(rows, d)), jnp.bfloat16)
-    rhs = jnp.asarray(rng.normal(size=(e, d, f)) * d ** -0.5, jnp.bfloat16)
-    cot = jnp.asarray(rng.normal(size=(rows, f)), jnp.float32)
-
-    def run(impl):
-        fun = lambda a, b: jnp.sum(grouped_matmul(a, b, jnp.asarray(sizes), impl) * cot)
-        out = jax.jit(lambda a, b: grouped_matmul(a, b, jnp.asarray(sizes), impl))(lhs, rhs)
-        return out, jax.jit(jax.grad(fun, argnums=(0, 1)))(lhs, rhs)
-
-    (y1, (da1, db1)), (y0, (da0, db0)) = run("tokamax"), run("xla")
-    assert not np.asarray(y1[sizes.sum():]).any()
-    for got, want in ((y1, y0), (da1, da0), (db1, db0)):
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()  # bf16 operands, fp32 sums in either order
-
-
-@pytest.mark.gpu
-def test_grouped_matmul_pallas_equals_xla_on_gpu(rng):
-    """The Triton kernels against lax.ragged_dot in bf16 at a training-like shape (uneven groups, an empty one,
-    rows past the last group), forward and both gradients."""
-    from dsv41_jax.model.moe import grouped_matmul
-
     rows, d, f = 4096, 256, 384
-    sizes = np.array([700, 0, 1, 513, 64, 1500, 300, 900], np.int32)  # 3,978 of 4,096 rows
+    sizes = np.asarray(sizes, np.int32)
     lhs = jnp.asarray(rng.normal(size=(rows, d)), jnp.bfloat16)
     rhs = jnp.asarray(rng.normal(size=(len(sizes), d, f)) * d ** -0.5, jnp.bfloat16)
     cot = jnp.asarray(rng.normal(size=(rows, f)), jnp.float32)
@@ -478,7 +458,7 @@ def test_grouped_matmul_pallas_equals_xla_on_gpu(rng):
         out = jax.jit(lambda a, b: grouped_matmul(a, b, jnp.asarray(sizes), impl))(lhs, rhs)
         return out, jax.jit(jax.grad(fun, argnums=(0, 1)))(lhs, rhs)
 
-    (y1, (da1, db1)), (y0, (da0, db0)) = run("pallas"), run("xla")
+    (y1, (da1, db1)), (y0, (da0, db0)) = run(impl), run("xla")
     assert not np.asarray(y1[sizes.sum():]).any()
     for got, want in ((y1, y0), (da1, da0), (db1, db0)):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)

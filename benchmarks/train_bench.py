@@ -13,14 +13,18 @@ batch × seq); ``--set`` overrides config keys as ``dsv41 train`` does (``model.
 ``model.moe.grouped_matmul=xla``, ``optim.ns_dtype=float32``: the previous forms, for a baseline in the same
 run). ``--triton-attention on|off``: ``kernel_backend: pallas`` with the Triton sparse attention kernels
 (``sparse_attention.api.TRITON_FORWARD`` / ``TRITON_BACKWARD``, on by default) on or off. ``compile_s`` is
-tracing, lowering and compiling the step. ``equal`` runs one fp32 step from the same eager initial state and
-batch on every mesh and prints loss and gradient norm (the first mesh is the baseline). One JSON line per result.
+tracing, lowering and compiling the step. ``--timing-lock FILE``: the warm-ups and timed steps hold an
+exclusive lock on FILE, so that several processes (a baseline and a variant) can compile at once and still time
+the device alone. ``equal`` runs one fp32 step from the same eager initial state and batch on every mesh and
+prints loss and gradient norm (the first mesh is the baseline). One JSON line per result.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import time
@@ -85,6 +89,21 @@ def device_state(model_cfg, ocfg, mesh, remat: str):
     return ts, step
 
 
+@contextlib.contextmanager
+def timing_lock(path: str | None):
+    """An exclusive lock on ``path`` (none without one) around the timed steps: benchmark processes sharing a
+    device compile side by side (compiling is host work) and take the device one at a time."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def throughput(args, cfg):
     model_cfg = cfg.model
     if args.experts:
@@ -109,15 +128,16 @@ def throughput(args, cfg):
             mem = compiled.memory_analysis()
             if mem is not None:
                 row["device_GB"] = (mem.argument_size_in_bytes + mem.temp_size_in_bytes) / 2**30
-            for _ in range(2):
-                ts, metrics = compiled(ts, data)
-            jax.block_until_ready(ts)
-            times = []
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                ts, metrics = compiled(ts, data)
+            with timing_lock(args.timing_lock):
+                for _ in range(2):
+                    ts, metrics = compiled(ts, data)
                 jax.block_until_ready(ts)
-                times.append(time.perf_counter() - t)
+                times = []
+                for _ in range(args.steps):
+                    t = time.perf_counter()
+                    ts, metrics = compiled(ts, data)
+                    jax.block_until_ready(ts)
+                    times.append(time.perf_counter() - t)
             if args.profile:
                 from profile_split import record
 
@@ -174,6 +194,8 @@ def main():
     p.add_argument("--experts", type=int, default=None)
     p.add_argument("--remat", default="none")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--timing-lock", default=None,
+                   help="a file to hold locked while timing: processes compiling side by side time one at a time")
     p.add_argument("--profile", default=None, help="directory for a trace of two steps and the step's HLO")
     p.add_argument("--triton-attention", choices=["on", "off"], default=None,
                    help="kernel_backend pallas with the Triton sparse attention below 64 heads switched on (the "

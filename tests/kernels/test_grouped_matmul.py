@@ -23,7 +23,10 @@ def test_schedule_covers_each_groups_rows_once(sizes):
     assert (owner[len(want):] == -1).all()
 
 
-def test_kernels_equal_a_per_group_loop(rng):
+@pytest.mark.parametrize("blocks", [{}, {"bm": 16, "bn": 16, "bk": 16}, {"bm": 32, "bn": 64, "bk": 32}],
+                         ids=["defaults", "16", "32x64x32"])
+def test_kernels_equal_a_per_group_loop(rng, blocks):
+    """At the tuned defaults and at blocks small enough that groups span several tiles and K several steps."""
     sizes = np.array([37, 0, 70, 1, 50])
     lhs = rng.normal(size=(176, 64)).astype(np.float32)
     rhs = rng.normal(size=(5, 64, 48)).astype(np.float32)
@@ -33,7 +36,7 @@ def test_kernels_equal_a_per_group_loop(rng):
         out[lo:lo + n] = lhs[lo:lo + n].astype(np.float64) @ rhs[e]
         dw[e] = lhs[lo:lo + n].T.astype(np.float64) @ g[lo:lo + n]
     s = jnp.asarray(sizes, jnp.int32)
-    np.testing.assert_allclose(gm.rows_matmul(jnp.asarray(lhs), jnp.asarray(rhs), s, interpret=True), out,
+    np.testing.assert_allclose(gm.rows_matmul(jnp.asarray(lhs), jnp.asarray(rhs), s, interpret=True, **blocks), out,
                                rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(gm.weights_matmul(jnp.asarray(lhs), jnp.asarray(g), s, interpret=True), dw,
+    np.testing.assert_allclose(gm.weights_matmul(jnp.asarray(lhs), jnp.asarray(g), s, interpret=True, **blocks), dw,
                                rtol=1e-5, atol=1e-4)

@@ -437,8 +437,8 @@ def test_tokamax_path_takes_its_forward_and_xla_gradients(rng, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,sizes", [
-    ("tokamax", [248] * 16),  # tokamax's kernel (``auto`` on GPU where installed): 16 even groups
-    ("pallas", [700, 0, 1, 513, 64, 1500, 300, 900]),  # the Triton kernels: uneven groups, an empty one
+    ("tokamax", [248] * 16),  # tokamax's forward kernel: 16 even groups
+    ("pallas", [700, 0, 1, 513, 64, 1500, 300, 900]),  # ``auto`` on GPU: uneven groups, one empty
 ])
 def test_grouped_matmul_kernels_equal_xla_on_gpu(rng, impl, sizes):
     """A kernel implementation against lax.ragged_dot in bf16 at a training-like shape (4,096 rows, some past

@@ -7,7 +7,8 @@ compiled step's HLO. Every kernel in the trace names the HLO instruction it ran;
 ``op_name`` carries the model's named scopes (``mhc``, ``attention``, ``indexer``, ``compressor``,
 ``indexer_loss``, ``moe``, ``engram``, ``head``, ``optimizer``; backward ops keep the scope of their forward
 op). The innermost scope names the part; fusions without one take the majority of the ops they fuse. On GPU,
-kernels replayed from a CUDA graph carry the instruction's name with '.' spelt '_'.
+kernels replayed from a CUDA graph carry the instruction's name with '.' spelt '_', and Pallas (Triton) kernels
+their kernel's name (``__N`` appended where names repeat), which the custom calls' backend configs give.
 Prints one JSON line per part (ms per step, share) and one for the total; with ``--top N``, then the N
 kernels (HLO instructions) that took the most time, each with its part, calls per step and the source scope
 of its own op_name (or of the first op it fuses that has one).
@@ -29,6 +30,9 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _OPNAME = re.compile(r'op_name="([^"]*)"')
+# a Triton custom call's kernel name in its backend config (JSON, escaped or not, or MLIR attribute syntax)
+_TRITON_NAME = re.compile(r'(?<!\w)\\?"?name\\?"?\s*[:=]\s*\\?"([\w.\-]+)')
+_DEDUP = re.compile(r"__\d+$")
 
 
 def part_of(op_name: str) -> str | None:
@@ -36,10 +40,11 @@ def part_of(op_name: str) -> str | None:
     return found[-1] if found else None
 
 
-def _hlo_ops(text: str) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]]]:
-    """The HLO's instructions: name -> its own op_name ("" without one), name -> the computation it calls, and
-    computation -> its instructions."""
+def _hlo_ops(text: str) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]], dict[str, list[str]]]:
+    """The HLO's instructions: name -> its own op_name ("" without one), name -> the computation it calls,
+    computation -> its instructions, and Triton kernel name -> the op_names of the custom calls that launch it."""
     own, calls, members = {}, {}, collections.defaultdict(list)
+    triton = collections.defaultdict(list)
     comp = None
     for line in text.splitlines():
         m = _INSTR.match(line)
@@ -56,12 +61,21 @@ def _hlo_ops(text: str) -> tuple[dict[str, str], dict[str, str], dict[str, list[
             calls[name] = called.group(1)
         if comp is not None:
             members[comp].append(name)
-    return own, calls, members
+        config = line.split("backend_config", 1)[1] if "backend_config" in line else ""
+        if "xla.gpu.triton" in line and (kernel := _TRITON_NAME.search(config)):
+            triton[kernel.group(1)].append(own[name])
+    return own, calls, members, triton
+
+
+def lookup(table: dict[str, str], kernel: str) -> str | None:
+    """``table``'s entry for a kernel event's name: the instruction's, or for a Triton kernel (a Pallas call,
+    replayed from a CUDA graph under its own name, with ``__N`` where names repeat) its kernel name's."""
+    return table.get(kernel) or table.get(_DEDUP.sub("", kernel))
 
 
 def hlo_parts(text: str) -> dict[str, str]:
     """HLO instruction name -> part, from its own op_name or the majority of the computation it calls."""
-    own, calls, members = _hlo_ops(text)
+    own, calls, members, triton = _hlo_ops(text)
     own = {name: part_of(op) for name, op in own.items()}
     parts = {}
     for name, part in own.items():
@@ -69,18 +83,23 @@ def hlo_parts(text: str) -> dict[str, str]:
             votes = collections.Counter(own[i] for i in members.get(calls[name], ()) if own.get(i))
             part = votes.most_common(1)[0][0] if votes else None
         parts[name] = parts[name.replace(".", "_")] = part or "other"  # GPU kernels: '.' spelt '_'
+    for kernel, ops in triton.items():  # the majority of the custom calls launching it
+        votes = collections.Counter(p for p in map(part_of, ops) if p)
+        parts.setdefault(kernel, votes.most_common(1)[0][0] if votes else "other")
     return parts
 
 
 def hlo_scopes(text: str) -> dict[str, str]:
     """HLO instruction name -> its op_name, or for a fusion without one the op_name of the first of its members
     that has one (GPU kernel names: '.' spelt '_' too)."""
-    own, calls, members = _hlo_ops(text)
+    own, calls, members, triton = _hlo_ops(text)
     scopes = {}
     for name, op in own.items():
         if not op and name in calls:
             op = next((own[i] for i in members.get(calls[name], ()) if own.get(i)), "")
         scopes[name] = scopes[name.replace(".", "_")] = op
+    for kernel, ops in triton.items():
+        scopes.setdefault(kernel, next((op for op in ops if op), ""))
     return scopes
 
 
@@ -107,8 +126,8 @@ def top_kernels(trace: dict, parts: dict[str, str], scopes: dict[str, str], n: i
         library.setdefault(op, e["args"].get("name", ""))
     out = []
     for op, us in times.most_common(n):
-        scope = scopes.get(op) or library[op]
-        out.append({"kernel": op, "part": parts.get(op) or part_of(scope) or "other",
+        scope = lookup(scopes, op) or library[op]
+        out.append({"kernel": op, "part": lookup(parts, op) or part_of(scope) or "other",
                     "ms_per_step": us / 1e3 / steps, "calls_per_step": calls[op] / steps,
                     "scope": scope[-160:]})
     return out
@@ -119,7 +138,7 @@ def kernel_parts(trace: dict, parts: dict[str, str]) -> tuple[collections.Counte
     was found for, and the number of distinct kernels."""
     times, unmatched, names = collections.Counter(), 0.0, set()
     for op, e in _kernels(trace):
-        part = parts.get(op) or part_of(e["args"].get("name", ""))
+        part = lookup(parts, op) or part_of(e["args"].get("name", ""))
         if part is None:
             unmatched += float(e.get("dur", 0.0))
         names.add(op)

@@ -118,7 +118,8 @@ def test_charts_draw_the_tables_numbers_and_nothing_else(tmp_path):
 def test_profile_split_attributes_kernels_and_lists_the_largest():
     """profile_split.py on a hand-written HLO and trace: a kernel takes its instruction's scope, a fusion without
     one its members' majority, a CUDA-graph replay ('.' spelt '_') its instruction's, a library kernel the scope
-    in its event; the top list orders kernels by time with calls and scope per step."""
+    in its event, a Pallas kernel (named after itself, ``__N`` where repeated) its custom calls'; the top list
+    orders kernels by time with calls and scope per step."""
     split = load_script("benchmarks/profile_split.py")
     hlo = "\n".join([
         "%fused_computation.1 (p: f32[4]) -> f32[4] {",
@@ -128,6 +129,11 @@ def test_profile_split_attributes_kernels_and_lists_the_largest():
         "ENTRY %main (x: f32[4]) -> f32[4] {",
         "  %fusion.1 = f32[4] fusion(x), kind=kLoop, calls=%fused_computation.1",
         '  %dot.2 = f32[4] dot(x, x), metadata={op_name="jit(step)/attention/bqsnh,bqskh->bqsnk/dot_general"}',
+        # Pallas calls: the kernel replays under the Triton kernel's name, not the instruction's
+        '  %custom-call.7 = f32[4] custom-call(x), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name='
+        '"jit(step)/moe/pallas_call"}, backend_config={"name":"grouped_rows_matmul","ir":"ML\\EFR","num_warps":4}',
+        '  %custom-call.8 = f32[4] custom-call(x), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name='
+        '"jit(step)/transpose(jvp())/moe/pallas_call"}, backend_config="{\\"name\\":\\"grouped_rows_matmul\\"}"',
         "}",
     ])
     stream = {"pid": 1, "tid": 7}
@@ -138,14 +144,20 @@ def test_profile_split_attributes_kernels_and_lists_the_largest():
         {"ph": "X", "name": "nvjet_gemm", "dur": 30.0,
          "args": {"hlo_op": "command_buffer.3", "name": "jit(step)/optimizer/dot_general"}, **stream},
         {"ph": "X", "name": "memcpy", "dur": 5.0, "args": {"hlo_op": "command_buffer.3"}, **stream},
+        {"ph": "X", "name": "grouped_rows_matmul__2", "dur": 7.0, "args": {"hlo_op": "command_buffer.3"}, **stream},
+        {"ph": "X", "name": "grouped_rows_matmul", "dur": 1.0, "args": {"hlo_op": "command_buffer.3"}, **stream},
     ]}
     parts = split.hlo_parts(hlo)
     times, unmatched, n = split.kernel_parts(trace, parts)
-    assert times == {"mhc": 40.0, "attention": 50.0, "optimizer": 30.0, "other": 5.0} and unmatched == 5.0 and n == 4
+    assert times == {"mhc": 40.0, "attention": 50.0, "optimizer": 30.0, "moe": 8.0, "other": 5.0}
+    assert unmatched == 5.0 and n == 6
     top = split.top_kernels(trace, parts, split.hlo_scopes(hlo), 3, steps=2)
     assert [(r["kernel"], r["part"], r["ms_per_step"], r["calls_per_step"]) for r in top] == [
         ("dot.2", "attention", 0.025, 0.5), ("fusion_1", "mhc", 0.02, 2.0), ("nvjet_gemm", "optimizer", 0.015, 0.5)]
     assert top[1]["scope"] == "jit(step)/mhc/add" and "bqsnh" in top[0]["scope"]
+    (triton,) = [r for r in split.top_kernels(trace, parts, split.hlo_scopes(hlo), 6, steps=1)
+                 if r["kernel"] == "grouped_rows_matmul__2"]
+    assert triton["part"] == "moe" and triton["scope"] == "jit(step)/moe/pallas_call"
 
 
 def test_decode_forms_alternatives_compute_the_models_ops():

@@ -40,18 +40,20 @@ def fake_cpu_env(n_devices: int = 8, extra_flags: tuple[str, ...] = ()) -> dict[
                 XLA_FLAGS=" ".join([*flags, *extra_flags, f"--xla_force_host_platform_device_count={n_devices}"]))
 
 
-def run_on_fake_cpus(script, n_devices: int = 8, timeout: int = 900, *, compile_only: bool = False) -> list[dict]:
+def run_on_fake_cpus(script, n_devices: int = 8, timeout: int = 900, *, compile_only: bool = False,
+                     fast_compile: bool = False) -> list[dict]:
     """Run ``script`` in a child Python with ``n_devices`` fake CPU devices; its JSON lines, parsed.
 
     A child is needed because the test process has already initialised JAX with one device. ``compile_only``:
     the child only compiles and reads the programs (no numerics), so its LLVM runs at -O0 (the collectives
-    child: 89 -> 69 s on 2 cores, the same report).
+    child: 89 -> 69 s on 2 cores, the same report); ``fast_compile``: -O0 too for a child that runs many small
+    programs a few times each, where LLVM's time outweighs the slower code.
     """
     import json
     import subprocess
     import sys
 
-    extra = ("--xla_backend_optimization_level=0",) if compile_only else ()
+    extra = ("--xla_backend_optimization_level=0",) if compile_only or fast_compile else ()
     out = subprocess.run([sys.executable, str(script)], env=fake_cpu_env(n_devices, extra), capture_output=True,
                          text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 
 @pytest.fixture(scope="module")
 def rows():
-    return run_on_fake_cpus(Path(__file__).with_name("mesh_child.py"))
+    return run_on_fake_cpus(Path(__file__).with_name("mesh_child.py"), fast_compile=True)
 
 
 @pytest.mark.slow  # over a minute on 2 CPU cores

@@ -16,7 +16,7 @@ from dsv41_jax.testing import run_on_fake_cpus
 
 @pytest.fixture(scope="module")
 def child() -> dict:
-    (r,) = run_on_fake_cpus(Path(__file__).with_name("serve_mesh_child.py"))
+    (r,) = run_on_fake_cpus(Path(__file__).with_name("serve_mesh_child.py"), fast_compile=True)
     return r
 
 

@@ -13,7 +13,7 @@ from dsv41_jax.testing import run_on_fake_cpus
 
 
 def test_expert_parallel_moe_equals_single_device():
-    rows = run_on_fake_cpus(Path(__file__).with_name("ep_child.py"))
+    rows = run_on_fake_cpus(Path(__file__).with_name("ep_child.py"), fast_compile=True)
     decode = [r for r in rows if "decode" in r]
     rows = [r for r in rows if "decode" not in r]
     assert len(rows) == 4 and len(decode) == 4, rows + decode

@@ -13,7 +13,7 @@ from dsv41_jax.testing import run_on_fake_cpus
 
 @pytest.mark.slow  # two compiles of a 2-layer post-training step in an 8-device child
 def test_posttrain_step_on_a_mesh_equals_one_device():
-    (r,) = run_on_fake_cpus(Path(__file__).with_name("sharded_child.py"))
+    (r,) = run_on_fake_cpus(Path(__file__).with_name("sharded_child.py"), fast_compile=True)
     one, eight = r["single"], r["sharded"]
     assert one["hit_frac"] == eight["hit_frac"] and 0 < one["hit_frac"] < 1  # the same replay draws
     assert one["distill_kl"] > 0 and one["indexer_kl"] > 0

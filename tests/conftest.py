@@ -15,8 +15,10 @@ from jaxtyping import install_import_hook
 # XLA's CPU compiles are most of the suite's time; LLVM at -O0 takes a fifth off them and runs these small
 # programs as fast (on 2 cores: the engine and golden files 377 -> 315 s, the kernel and training-loop files
 # 217 -> 190 s). Codegen may round differently from -O2 in the last bits, so only this process's backend starts
-# with it: children the tests start (fake-device meshes, the notebook, CLI runs) compile as a user's process does,
-# where engine-against-forward comparisons across a QDQ rounding boundary are calibrated.
+# with it, and the children the tests start compile as a user's process does (the notebook, CLI runs, where
+# engine-against-forward comparisons across a QDQ rounding boundary are calibrated), except those that ask for
+# -O0 themselves and were checked at it: the fake-device mesh children (``run_on_fake_cpus(fast_compile=True)``)
+# and the `dsv41 train` runs of tests/train/test_runs.py.
 # (A machine with a CUDA plugin keeps its flags: there the GPU tests run.)
 _flags = os.environ.get("XLA_FLAGS")
 if not any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin")):

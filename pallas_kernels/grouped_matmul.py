@@ -56,6 +56,10 @@ def schedule(sizes: Int[Array, " E"], rows: int, bm: int = BM):
     return g, jnp.where(group < e, first, 0), jnp.where(group < e, end, 0)
 
 
+# fp32 operands multiply as fp32 (Triton's default precision would round them to TF32); bf16 ones are unaffected
+_EXACT = jax.lax.Precision.HIGHEST
+
+
 def _rows_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, o_ref, *, bm: int, bn: int, bk: int, k: int):
     t, j = pl.program_id(0), pl.program_id(1)
     e, first, end = group_ref[t], first_ref[t], end_ref[t]
@@ -64,7 +68,8 @@ def _rows_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, o_ref, *, bm: int,
 
     def step(i, acc):
         a = plt.load(x_ref.at[rows, pl.ds(i * bk, bk)], mask=ok, other=0)
-        return acc + jnp.dot(a, w_ref[e, pl.ds(i * bk, bk), cols], preferred_element_type=jnp.float32)
+        return acc + jnp.dot(a, w_ref[e, pl.ds(i * bk, bk), cols], precision=_EXACT,
+                             preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, k // bk, step, jnp.zeros((bm, bn), jnp.float32))
     plt.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=ok)
@@ -80,7 +85,7 @@ def _weights_kernel(starts_ref, sizes_ref, x_ref, g_ref, o_ref, *, bm: int, bx: 
         ok = (first + jnp.arange(bm) < start + size)[:, None]
         a = plt.load(x_ref.at[pl.ds(first, bm), xs], mask=ok, other=0)
         g = plt.load(g_ref.at[pl.ds(first, bm), ys], mask=ok, other=0)
-        return acc + jnp.dot(a.T, g, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(a.T, g, precision=_EXACT, preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, (size + bm - 1) // bm, step, jnp.zeros((bx, by), jnp.float32))
     o_ref[e, xs, ys] = acc.astype(o_ref.dtype)

@@ -89,8 +89,8 @@ class MoEConfig:
     swiglu_limit: float = 10.0
     norm_topk_prob: bool = True
     gate_temp: float = 1.0
-    # the routed experts' grouped matmul (dsv41_jax.model.moe.grouped_matmul): auto = `pallas` on GPU (Triton
-    # kernels over the groups' own rows, pallas_kernels.grouped_matmul, forward and both gradients), else
+    # the routed experts' grouped matmul (dsv41_jax.model.moe.grouped_matmul): auto = `pallas` on GPU in bf16
+    # (Triton kernels over the groups' own rows, pallas_kernels.grouped_matmul, forward and both gradients), else
     # lax.ragged_dot; or force `xla` / `tokamax` (its forward kernel, extra `gpu`) / `pallas`
     grouped_matmul: str = "auto"
     # how the routed experts are read (dsv41_jax.model.moe.routed_path): auto = gather only the picked experts'

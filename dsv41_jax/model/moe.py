@@ -137,13 +137,15 @@ def grouped_matmul(lhs: Float[Array, "U X"], rhs: Float[Array, "E X Y"], sizes: 
     tokamax chooses, and falls back to XLA elsewhere; the gradients XLA's), ``pallas``
     (``pallas_kernels.grouped_matmul``: Triton kernels for the forward and both gradients, each over the groups'
     own rows; GPU, the Pallas interpreter on CPU for tests, refused elsewhere; ``small.yaml``'s MoE layer forward +
-    backward 7.2× XLA's on an H100, BENCHMARKS.md), or ``auto``: pallas on GPU where the experts' dimensions are
-    multiples of 16, else XLA. The gradients are XLA's transpose of
+    backward 7.9× XLA's on an H100, BENCHMARKS.md), or ``auto``: pallas on GPU for bf16 operands where the
+    experts' dimensions are multiples of 16, else XLA. The gradients are XLA's transpose of
     ``lax.ragged_dot`` in the operands' dtype, as :func:`~dsv41_jax.model.layers.mixed_einsum` computes them
     (:func:`_grouped`), or the Pallas kernels' with ``pallas``.
     """
     if implementation == "auto":
-        implementation = "pallas" if jax.default_backend() == "gpu" and pallas_grouped.applies(lhs, rhs) else "xla"
+        # the kernels were measured (and tuned) with bf16 operands; fp32 runs (exactness checks) keep XLA's
+        implementation = ("pallas" if jax.default_backend() == "gpu" and pallas_grouped.applies(lhs, rhs)
+                          and lhs.dtype == rhs.dtype == jnp.bfloat16 else "xla")
     if implementation not in ("xla", "tokamax", "pallas"):
         raise ValueError(f"grouped_matmul implementation must be auto, xla, tokamax or pallas, got {implementation!r}")
     if implementation == "pallas":

@@ -466,9 +466,21 @@ def test_grouped_matmul_kernels_equal_xla_on_gpu(rng, impl, sizes):
 
 
 @pytest.mark.gpu
+def test_auto_takes_the_pallas_kernels_on_gpu_in_bf16_only():
+    """``auto`` on the device: the Triton kernels for bf16 operands, XLA's ragged_dot for fp32 ones."""
+    from dsv41_jax.model.moe import grouped_matmul
+
+    sizes = jnp.asarray([100, 28], jnp.int32)
+    for dtype, kernel in ((jnp.bfloat16, True), (jnp.float32, False)):
+        lhs, rhs = jnp.zeros((128, 64), dtype), jnp.zeros((2, 64, 32), dtype)
+        text = str(jax.make_jaxpr(lambda a, b: grouped_matmul(a, b, sizes, "auto"))(lhs, rhs))
+        assert ("pallas_call" in text) == kernel and ("ragged_dot" in text) != kernel, dtype
+
+
+@pytest.mark.gpu
 def test_gathered_experts_equal_the_grouped_matmul_on_gpu(rng):
     """On the device: MXFP4 experts under bf16 at a decode shape (4 tokens × 6 of 64 experts), the gathered
-    path (the fused form there) and the dense one against the grouped matmul (tokamax where installed), all
+    path (the fused form there) and the dense one against the grouped matmul (the Pallas kernels), all
     through XLA:GPU's own fusions; bound 2^-7 of the largest output entry, for an activation that rounds to a
     neighbouring bf16 value."""
     from dsv41_jax.model.moe import Experts
